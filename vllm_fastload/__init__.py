@@ -1,0 +1,30 @@
+"""vllm-fastload: fast, exact, per-rank checkpoint loading for vLLM and TGI.
+
+Importing this package never imports vLLM (the vLLM loader lives in
+``vllm_fastload.vllm_plugin`` and is loaded by vLLM through its plugin entry point).
+"""
+
+from vllm_fastload.api import FastCheckpoint, open
+from vllm_fastload.config import ConfigError, FastloadConfig
+from vllm_fastload.errors import (
+    CheckpointError,
+    FileChangedError,
+    HeaderError,
+    IndexMismatchError,
+    InvalidRequestError,
+    MissingFileError,
+    ReadError,
+    TensorMetadataError,
+    TensorNotFoundError,
+    TruncatedFileError,
+)
+from vllm_fastload.events import LayerEvent
+from vllm_fastload.plan import TensorRequest
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "open", "FastCheckpoint", "FastloadConfig", "ConfigError", "LayerEvent", "TensorRequest",
+    "CheckpointError", "HeaderError", "TensorMetadataError", "TruncatedFileError", "MissingFileError",
+    "IndexMismatchError", "TensorNotFoundError", "InvalidRequestError", "ReadError", "FileChangedError",
+]

@@ -1,0 +1,190 @@
+"""The engine-free API, in safetensors' vocabulary: ``with vllm_fastload.open(path) as ckpt: ...``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from vllm_fastload.buffers import BufferPool
+from vllm_fastload.config import FastloadConfig
+from vllm_fastload.errors import InvalidRequestError
+from vllm_fastload.events import LoadProgress
+from vllm_fastload.executor import LoadStats, PlanExecutor
+from vllm_fastload.format import Checkpoint, TensorInfo
+from vllm_fastload.plan import Plan, TensorRequest, build_plan, plan_tensor
+from vllm_fastload.readers import Reader, make_reader
+from vllm_fastload.tensors import CASTABLE, cast, torch_dtype, torch_shape
+
+RequestLike = str | TensorRequest
+
+
+class FastCheckpoint:
+    """An open checkpoint: headers parsed and validated, files held open, nothing read yet.
+
+    Tensor lifetime, precisely:
+    - ``get_tensor`` / ``get_slice`` return tensors the caller owns.
+    - ``iter_tensors`` yields views into reused read buffers. A view stays valid and unchanged
+      for as long as the caller holds it: a buffer is reused only once no tensor references
+      it. Copy what you need and drop the view, and memory is recycled; keep the view, and
+      its buffer becomes yours (it is freed with the view). Views may be non-contiguous
+      when the plan read enclosing rows for a dim>0 slice.
+    - ``read_into`` fills tensors the caller already owns.
+    """
+
+    def __init__(self, path: str | os.PathLike, device: str | torch.device = "cpu",
+                 config: FastloadConfig | Mapping[str, Any] | None = None, *,
+                 show_progress: bool | None = None) -> None:
+        self.config = FastloadConfig.from_env() if config is None else FastloadConfig.build(config)
+        self.device = torch.device(device)
+        self.checkpoint = Checkpoint.discover(path)
+        self.show_progress = self.config.progress if show_progress is None else show_progress
+        self._reader: Reader | None = None
+        self._pool: BufferPool | None = None
+        self.last_stats: LoadStats | None = None
+
+    # -- context manager --------------------------------------------------------------------
+    def __enter__(self) -> FastCheckpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
+        if self._pool is not None:
+            self._pool.clear()
+            self._pool = None
+        self.checkpoint.close()
+
+    # -- metadata ---------------------------------------------------------------------------
+    def keys(self) -> list[str]:
+        return sorted(self.checkpoint.tensors)
+
+    def metadata(self) -> dict[str, str]:
+        merged: dict[str, str] = {}
+        for sf in self.checkpoint.files.values():
+            merged.update(sf.metadata)
+        return merged
+
+    def info(self, name: str) -> TensorInfo:
+        return self.checkpoint.info(name)
+
+    @property
+    def reader(self) -> Reader:
+        if self._reader is None:
+            self._reader = make_reader(self.config, self.device)
+        return self._reader
+
+    @property
+    def strided_min_skip(self) -> int:
+        if self.config.strided_min_skip is not None:
+            return int(self.config.strided_min_skip)
+        return self.reader.default_strided_min_skip
+
+    def plan(self, requests: Iterable[RequestLike] | None = None, *,
+             dests: Mapping[str, torch.Tensor] | None = None) -> Plan:
+        """The plan these requests would execute (inspect it with ``plan.summary()``)."""
+        requests = self.keys() if requests is None else requests
+        return build_plan(self.checkpoint, requests, aggregate_size=int(self.config.aggregate_size),
+                          strided_min_skip=self.strided_min_skip, dests=dests)
+
+    # -- reading ----------------------------------------------------------------------------
+    def get_tensor(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The whole tensor, owned by the caller."""
+        return self._read_owned(TensorRequest(name), dtype)
+
+    def get_slice(self, name: str, dim: int = 0, start: int = 0, length: int | None = None,
+                  dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``[start, start + length)`` along ``dim`` (to the end if ``length`` is None), owned and contiguous."""
+        return self._read_owned(TensorRequest(name, dim, start, length), dtype)
+
+    def iter_tensors(self, names: Iterable[RequestLike] | None = None, *,
+                     dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(key, tensor)`` in layer order through aggregated reads; fires ``on_layer_ready``."""
+        plan = self.plan(names)
+        for planned, tensor in self._execute(plan):
+            yield planned.key, cast(tensor, dtype)
+
+    def read_into(self, targets: Mapping[RequestLike, torch.Tensor]) -> LoadStats:
+        """Read each request straight into the caller's tensor (same shape; dtype equal or castable).
+
+        Contiguous destinations on the reader's device with the checkpoint's dtype receive the
+        bytes directly (no intermediate copy); others are filled from a read buffer with
+        ``copy_`` (which also converts the dtype, on the destination's device).
+        """
+        requests: list[TensorRequest] = []
+        by_key: dict[str, torch.Tensor] = {}
+        direct: dict[str, torch.Tensor] = {}
+        for req, dest in targets.items():
+            req = TensorRequest(req) if isinstance(req, str) else req
+            planned = plan_tensor(self.checkpoint.info(req.name), req, self.strided_min_skip)
+            self._check_destination(planned, dest)
+            requests.append(req)
+            by_key[req.result_key] = dest
+            if self._can_read_directly(planned, dest):
+                direct[req.result_key] = dest
+        plan = self.plan(requests, dests=direct)
+        for planned, tensor in self._execute(plan):
+            if planned.dest is None:
+                by_key[planned.key].copy_(tensor)
+        return self.last_stats
+
+    # -- internals --------------------------------------------------------------------------
+    def _read_owned(self, request: TensorRequest, dtype: torch.dtype | None) -> torch.Tensor:
+        planned = plan_tensor(self.checkpoint.info(request.name), request, self.strided_min_skip)
+        native = torch_dtype(planned)
+        out = torch.empty(torch_shape(planned), dtype=native, device=self.device)
+        if planned.strategy == "enclosing":
+            self.read_into({request: out})
+        elif planned.read_bytes:
+            plan = build_plan(self.checkpoint, [request], aggregate_size=int(self.config.aggregate_size),
+                              strided_min_skip=self.strided_min_skip, dests={request.result_key: out})
+            for _ in self._execute(plan, quiet=True):
+                pass
+        return cast(out, dtype)
+
+    def _check_destination(self, planned, dest: torch.Tensor) -> None:
+        shape = torch_shape(planned)
+        if tuple(dest.shape) != shape:
+            raise InvalidRequestError(f"destination shape {list(dest.shape)} != checkpoint shape {list(shape)}",
+                                      file=planned.info.file, tensor=planned.key)
+        native = torch_dtype(planned)
+        if dest.dtype != native and not (dest.dtype in CASTABLE and native in CASTABLE):
+            raise InvalidRequestError(f"destination dtype {dest.dtype} cannot hold checkpoint dtype "
+                                      f"{planned.info.dtype} (only float16/bfloat16/float32/float64 convert)",
+                                      file=planned.info.file, tensor=planned.key)
+
+    def _can_read_directly(self, planned, dest: torch.Tensor) -> bool:
+        return (planned.strategy != "enclosing" and dest.dtype == torch_dtype(planned)
+                and dest.is_contiguous() and dest.device == self.reader.device)
+
+    def _pool_for(self) -> BufferPool:
+        if self._pool is None:
+            reader = self.reader
+            budget = int(self.config.memory_budget) - reader.staging_bytes
+            self._pool = BufferPool(reader.allocate, budget, min_size=int(self.config.aggregate_size))
+        return self._pool
+
+    def _execute(self, plan: Plan, *, quiet: bool = False):
+        """Run a plan; ``quiet`` (single-tensor reads) skips the bar and the layer callbacks."""
+        progress = None if quiet else LoadProgress(
+            total_bytes=plan.read_bytes, total_layers=len(plan.groups), callbacks=self.config.on_layer_ready,
+            show_bar=self.show_progress, log_layers=self.config.log_layers)
+        executor = PlanExecutor(self.checkpoint, self.reader, self._pool_for(), self.config)
+        try:
+            yield from executor.run(plan, progress)
+        finally:
+            if progress is not None:
+                progress.close()
+            self.last_stats = executor.stats
+
+
+def open(path: str | os.PathLike, device: str | torch.device = "cpu",  # noqa: A001  (safetensors' name)
+         config: FastloadConfig | Mapping[str, Any] | None = None) -> FastCheckpoint:
+    """Open a checkpoint (directory with index, directory of shards, or one file)."""
+    return FastCheckpoint(path, device, config)

@@ -1,0 +1,64 @@
+"""One exception hierarchy for everything that can be wrong with a checkpoint.
+
+Every message names the file, and the tensor where there is one, so that a failed
+server start-up says what to fix without a debugger.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+class CheckpointError(Exception):
+    """Base class: something about the checkpoint (or reading it) is wrong."""
+
+    def __init__(self, message: str, *, file: str | os.PathLike | None = None,
+                 tensor: str | None = None) -> None:
+        self.file = os.fspath(file) if file is not None else None
+        self.tensor = tensor
+        where = []
+        if self.file is not None:
+            where.append(f"file {self.file!r}")
+        if tensor is not None:
+            where.append(f"tensor {tensor!r}")
+        super().__init__(f"{message} ({', '.join(where)})" if where else message)
+        self.reason = message
+
+
+class HeaderError(CheckpointError):
+    """The safetensors header is unreadable: length, UTF-8, JSON or structure."""
+
+
+class TensorMetadataError(HeaderError):
+    """One tensor's entry is invalid: dtype, shape, offsets or size."""
+
+
+class TruncatedFileError(CheckpointError):
+    """The file ends before the data its header promises."""
+
+
+class MissingFileError(CheckpointError):
+    """A file the checkpoint (or its index) names does not exist or cannot be opened."""
+
+
+class IndexMismatchError(CheckpointError):
+    """The index and the files disagree, or two files hold the same tensor."""
+
+
+class TensorNotFoundError(CheckpointError, KeyError):
+    """A requested tensor is in no file of the checkpoint."""
+
+    def __str__(self) -> str:  # KeyError would otherwise quote the whole message
+        return Exception.__str__(self)
+
+
+class InvalidRequestError(CheckpointError, ValueError):
+    """A slice request does not fit the tensor (dim, start, length) or its destination."""
+
+
+class ReadError(CheckpointError):
+    """I/O failed mid-read (EOF, EIO); the message names the offset."""
+
+
+class FileChangedError(CheckpointError):
+    """The file's size or mtime changed while it was being read: its bytes can't be trusted."""

@@ -1,0 +1,95 @@
+"""Layer readiness: an event per layer group, fired when the caller has consumed all of it.
+
+A layer is "ready" only once the caller asked for the item after its last tensor, i.e. the
+caller has put every tensor of the layer where it belongs. That is the moment start-up work
+for that layer (warm-up, metrics) may begin.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from vllm_fastload.config import ConfigError, LayerCallback
+
+logger = logging.getLogger("vllm_fastload")
+
+
+@dataclass(frozen=True)
+class LayerEvent:
+    """Passed to every ``on_layer_ready`` callback."""
+
+    layer: int | None       # transformer layer index; None for embeddings / final groups
+    name: str               # "embeddings", "layer 3", "final"
+    tensors: int            # tensors in this group
+    bytes: int              # bytes read for this group
+    elapsed_s: float        # seconds since the load started
+    layers_done: int        # groups completed so far, this one included
+    layers_total: int
+    bytes_done: int
+    bytes_total: int
+
+
+def resolve_callback(spec: str | LayerCallback) -> LayerCallback:
+    """A callable, or ``"package.module:function"`` imported now (so typos fail at start-up)."""
+    if callable(spec):
+        return spec
+    module_name, _, attr = spec.partition(":")
+    try:
+        obj = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"on_layer_ready: cannot import {spec!r}: {exc}") from exc
+    if not callable(obj):
+        raise ConfigError(f"on_layer_ready: {spec!r} is not callable")
+    return obj
+
+
+class LoadProgress:
+    """Tracks bytes and layer groups; drives callbacks, the tqdm bar and debug log lines."""
+
+    def __init__(self, *, total_bytes: int, total_layers: int,
+                 callbacks: Sequence[str | LayerCallback] = (), show_bar: bool = False,
+                 log_layers: bool = False, description: str = "fastload") -> None:
+        self.total_bytes = total_bytes
+        self.total_layers = total_layers
+        self.callbacks: list[Callable[[LayerEvent], object]] = [resolve_callback(c) for c in callbacks]
+        self.log_layers = log_layers
+        self.bytes_done = 0
+        self.layers_done = 0
+        self.start = time.perf_counter()
+        self._bar = None
+        if show_bar and total_bytes:
+            from tqdm.auto import tqdm
+            self._bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1000,
+                             desc=description, dynamic_ncols=True, leave=True)
+
+    @property
+    def elapsed_s(self) -> float:
+        return time.perf_counter() - self.start
+
+    def layer_done(self, layer: int | None, name: str, tensors: int, nbytes: int) -> LayerEvent:
+        self.bytes_done += nbytes
+        self.layers_done += 1
+        event = LayerEvent(layer, name, tensors, nbytes, self.elapsed_s, self.layers_done,
+                           self.total_layers, self.bytes_done, self.total_bytes)
+        if self._bar is not None:
+            self._bar.update(nbytes)
+            rate = self.bytes_done / max(event.elapsed_s, 1e-9) / 1e9
+            self._bar.set_postfix_str(f"layers {self.layers_done}/{self.total_layers}, {rate:.2f} GB/s",
+                                      refresh=False)
+        if self.log_layers:
+            logger.debug("fastload: %s ready (%d tensors, %.1f MB) at %.3f s", name, tensors, nbytes / 1e6,
+                         event.elapsed_s)
+        for callback in self.callbacks:
+            callback(event)
+        return event
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None

@@ -1,0 +1,152 @@
+"""Executes a plan: bounded read-ahead, buffers from the pool, results in layer order, events.
+
+One generator drives everything, so the order of side effects is easy to follow:
+submit chunks ahead while the budget allows -> wait for the next chunk -> check the file did
+not change -> yield its tensors -> (caller asks for more) -> release the buffer -> when a
+layer group's last tensor was consumed, fire its event.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from vllm_fastload.buffers import Buffer, BufferPool
+from vllm_fastload.config import FastloadConfig
+from vllm_fastload.events import LoadProgress
+from vllm_fastload.format import Checkpoint
+from vllm_fastload.plan import Chunk, Plan, PlannedTensor
+from vllm_fastload.readers import Pending, Reader
+from vllm_fastload.tensors import byte_view, view_tensor
+
+logger = logging.getLogger("vllm_fastload")
+
+
+@dataclass
+class _InFlight:
+    chunk: Chunk
+    buffer: Buffer | None
+    pending: Pending
+
+
+@dataclass
+class LoadStats:
+    """What one execution did; adapters log it and benchmarks report it."""
+
+    bytes_read: int = 0
+    tensors: int = 0
+    chunks: int = 0
+    peak_buffer_bytes: int = 0
+    buffers_handed_over: int = 0
+    oversize_tensors: int = 0
+
+
+class PlanExecutor:
+    def __init__(self, checkpoint: Checkpoint, reader: Reader, pool: BufferPool, config: FastloadConfig) -> None:
+        self.checkpoint = checkpoint
+        self.reader = reader
+        self.pool = pool
+        self.config = config
+        self.max_in_flight = 2 * config.threads + 2
+        self.stats = LoadStats()
+
+    def run(self, plan: Plan, progress: LoadProgress | None = None) -> Iterator[tuple[PlannedTensor, torch.Tensor]]:
+        """Yield ``(planned tensor, tensor)`` in plan order.
+
+        For buffered chunks the tensor is a view into a pool buffer: valid as long as the
+        caller holds it, never overwritten while held (see ``buffers``). For direct chunks it
+        is the caller's own destination, already filled.
+        """
+        chunks = plan.chunks
+        in_flight: deque[_InFlight] = deque()
+        next_index = 0
+
+        def fill() -> None:
+            nonlocal next_index
+            while next_index < len(chunks) and len(in_flight) < self.max_in_flight:
+                chunk = chunks[next_index]
+                buf = None
+                if not chunk.direct:
+                    buf = self.pool.try_acquire(chunk.nbytes)
+                    if buf is None:
+                        if in_flight:
+                            return  # wait for a buffer to come back
+                        buf = self._oversize(chunk)
+                in_flight.append(_InFlight(chunk, buf, self._submit(chunk, buf)))
+                next_index += 1
+
+        # A buffer goes back to the pool one chunk late: when the caller asks for the next
+        # item, its loop variable still holds the previous tensor, so only after a further
+        # chunk can "still referenced" be told apart from "kept on purpose".
+        previous: Buffer | None = None
+        try:
+            for group in plan.groups:
+                for _ in group.chunks:
+                    fill()
+                    item = in_flight.popleft()
+                    item.pending.wait()
+                    item.pending = None
+                    if self.config.check_file_changes:
+                        self.checkpoint.files[item.chunk.file].check_unchanged()
+                    yield from self._deliver(item)
+                    if item.buffer is not None:
+                        if previous is not None:
+                            self.pool.release(previous)
+                        previous, item.buffer = item.buffer, None
+                if progress is not None:
+                    progress.layer_done(group.key.layer, group.key.name, len(group.tensors), group.read_bytes)
+        finally:
+            if previous is not None:
+                self.pool.release(previous)
+            self._drain(in_flight)
+            self.stats.peak_buffer_bytes = max(self.stats.peak_buffer_bytes, self.pool.peak)
+            self.stats.buffers_handed_over = self.pool.handed_over
+
+    def _oversize(self, chunk: Chunk) -> Buffer:
+        names = ", ".join(t.key for t, _ in chunk.tensors)
+        logger.warning("fastload: %s needs %.1f MB at once, more than fits in memory_budget (%.1f MB) "
+                       "beside the buffer still in use; reading it into a one-off buffer",
+                       names, chunk.nbytes / 1e6, self.pool.budget / 1e6)
+        self.stats.oversize_tensors += len(chunk.tensors)
+        return self.pool.allocate_oversize(chunk.nbytes)
+
+    def _submit(self, chunk: Chunk, buf: Buffer | None) -> Pending:
+        sf = self.checkpoint.files[chunk.file]
+        if chunk.direct:
+            calls = []
+            for t, _ in chunk.tensors:
+                dest = byte_view(t.dest)
+                pos = 0
+                for offset, length in t.ranges:
+                    calls.append((offset, length, dest[pos:pos + length]))
+                    pos += length
+        else:
+            calls = [(op.file_offset, op.length, buf.tensor[op.buf_offset:op.buf_offset + op.length])
+                     for op in chunk.ops]
+        self.stats.bytes_read += sum(length for _, length, _ in calls)
+        self.stats.chunks += 1
+        return self.reader.submit(sf, calls)
+
+    def _deliver(self, item: _InFlight) -> Iterator[tuple[PlannedTensor, torch.Tensor]]:
+        for t, pos in item.chunk.tensors:
+            self.stats.tensors += 1
+            if item.chunk.direct:
+                yield t, t.dest
+            else:
+                yield t, view_tensor(item.buffer.tensor[pos:pos + t.read_bytes], t)
+
+    def _drain(self, in_flight: deque[_InFlight]) -> None:
+        """Stop cleanly: reads still running must finish before their buffers can be freed."""
+        while in_flight:
+            item = in_flight.popleft()
+            try:
+                if item.pending is not None:
+                    item.pending.wait()
+            except Exception:  # noqa: BLE001  (already unwinding from the first error)
+                pass
+            if item.buffer is not None:
+                self.pool.discard(item.buffer)

@@ -1,0 +1,382 @@
+"""The safetensors format, parsed strictly, and checkpoint discovery.
+
+We parse headers ourselves (instead of asking ``safe_open``) because the plan needs exact
+byte offsets before any data is read, and because every failure must become a
+:class:`CheckpointError` that names the file and tensor instead of a bare
+``struct``/``json`` error. The rules are the ones the safetensors library enforces.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import stat as stat_module
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vllm_fastload.errors import (
+    CheckpointError,
+    FileChangedError,
+    HeaderError,
+    IndexMismatchError,
+    MissingFileError,
+    TensorMetadataError,
+    TensorNotFoundError,
+    TruncatedFileError,
+)
+
+#: Bits per element of every dtype safetensors 0.8 knows.
+DTYPE_BITS: dict[str, int] = {
+    "BOOL": 8, "U8": 8, "I8": 8,
+    "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
+    "F8_E5M2": 8, "F8_E4M3": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "F8_E8M0": 8,
+    "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
+    "I32": 32, "U32": 32, "F32": 32,
+    "I64": 64, "U64": 64, "F64": 64, "C64": 64,
+}
+
+#: Same limit as the safetensors library: a header over 100 MB is treated as corrupt.
+MAX_HEADER_BYTES = 100_000_000
+INDEX_NAME = "model.safetensors.index.json"
+_ENTRY_KEYS = ("dtype", "shape", "data_offsets")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives: absolute file offsets, so the plan needs no other context."""
+
+    name: str
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def bits(self) -> int:
+        return DTYPE_BITS[self.dtype]
+
+
+@dataclass(frozen=True)
+class FileIdentity:
+    """What we compare to notice a file that changes while we read it."""
+
+    size: int
+    mtime_ns: int
+    inode: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> FileIdentity:
+        return cls(st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+@dataclass
+class SafetensorsFile:
+    """One parsed file; holds an open descriptor so later reads see the same inode."""
+
+    path: str
+    data_offset: int
+    tensors: dict[str, TensorInfo]
+    metadata: dict[str, str]
+    identity: FileIdentity
+    fd: int = field(repr=False, default=-1)
+
+    def check_unchanged(self) -> None:
+        """Raise FileChangedError if the file was modified since its header was parsed."""
+        try:
+            now = FileIdentity.of(os.fstat(self.fd))
+        except OSError as exc:
+            raise FileChangedError(f"cannot stat file: {exc.strerror}", file=self.path) from exc
+        if now.size != self.identity.size or now.mtime_ns != self.identity.mtime_ns:
+            raise FileChangedError(
+                f"file changed while loading (size {self.identity.size} -> {now.size}, "
+                f"mtime_ns {self.identity.mtime_ns} -> {now.mtime_ns}); refusing to use "
+                "bytes that may be a mix of old and new contents",
+                file=self.path,
+            )
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _open_for_read(path: str) -> int:
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError as exc:
+        raise MissingFileError("file does not exist", file=path) from exc
+    except OSError as exc:
+        raise MissingFileError(f"cannot open file: {exc.strerror}", file=path) from exc
+    if stat_module.S_ISDIR(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise MissingFileError("expected a .safetensors file, found a directory", file=path)
+    return fd
+
+
+def _pread_exact(fd: int, length: int, offset: int, path: str, what: str) -> bytes:
+    try:
+        data = os.pread(fd, length, offset)
+    except OSError as exc:
+        raise HeaderError(f"cannot read {what}: {exc.strerror}", file=path) from exc
+    # A regular file returns short only at EOF; loop anyway for exotic filesystems.
+    while len(data) < length:
+        more = os.pread(fd, length - len(data), offset + len(data))
+        if not more:
+            raise TruncatedFileError(
+                f"file ends inside the {what} (wanted {length} bytes at offset {offset}, "
+                f"got {len(data)})", file=path)
+        data += more
+    return data
+
+
+def _reject_duplicate_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _parse_entry(path: str, name: str, entry: object, data_len: int) -> tuple[str, tuple[int, ...], int, int]:
+    if not isinstance(entry, dict):
+        raise TensorMetadataError("header entry is not a JSON object", file=path, tensor=name)
+    missing = [k for k in _ENTRY_KEYS if k not in entry]
+    if missing:
+        raise TensorMetadataError(f"header entry lacks {', '.join(missing)}", file=path, tensor=name)
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
+        raise TensorMetadataError(
+            f"unknown dtype {dtype!r} (known: {', '.join(DTYPE_BITS)})", file=path, tensor=name)
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise TensorMetadataError(
+            f"shape must be a list of non-negative integers, got {shape!r}", file=path, tensor=name)
+    if (not isinstance(offsets, list) or len(offsets) != 2
+            or not all(_is_int(o) for o in offsets)):
+        raise TensorMetadataError(
+            f"data_offsets must be two integers, got {offsets!r}", file=path, tensor=name)
+    begin, end = offsets
+    if begin < 0 or end < begin:
+        raise TensorMetadataError(f"data_offsets {offsets} are not a valid range", file=path, tensor=name)
+    bits = math.prod(shape) * DTYPE_BITS[dtype]
+    if bits % 8 or bits // 8 != end - begin:
+        raise TensorMetadataError(
+            f"dtype {dtype} x shape {shape} needs {bits / 8:g} bytes but data_offsets {offsets} "
+            f"span {end - begin}", file=path, tensor=name)
+    if end > data_len:
+        raise TruncatedFileError(
+            f"data_offsets {offsets} reach past the end of the data section ({data_len} bytes); "
+            "the file is truncated", file=path, tensor=name)
+    return dtype, tuple(shape), begin, end
+
+
+def _check_layout(path: str, spans: list[tuple[int, int, str]], data_len: int) -> None:
+    """Tensors must tile the data section exactly: no overlap, no gap, nothing left over."""
+    spans.sort()
+    cursor, previous = 0, None
+    for begin, end, name in spans:
+        if begin < cursor:
+            raise TensorMetadataError(
+                f"data_offsets [{begin}, {end}] overlap tensor {previous!r} (ends at {cursor})",
+                file=path, tensor=name)
+        if begin > cursor:
+            raise TensorMetadataError(
+                f"gap of {begin - cursor} bytes before this tensor in the data section",
+                file=path, tensor=name)
+        cursor, previous = end, name
+    if cursor != data_len:
+        raise HeaderError(
+            f"data section is {data_len} bytes but the tensors cover {cursor}", file=path)
+
+
+def parse_header_bytes(path: str, raw: bytes, data_len: int) -> tuple[dict[str, tuple], dict[str, str]]:
+    """Validate a header's JSON text; returns ``{name: (dtype, shape, begin, end)}`` and metadata."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise HeaderError(f"header is not valid UTF-8 ({exc.reason} at byte {exc.start})", file=path) from exc
+    if not text.lstrip().startswith("{"):
+        raise HeaderError("header is not a JSON object (does not start with '{')", file=path)
+    try:
+        doc = json.loads(text, object_pairs_hook=_reject_duplicate_keys)
+    except (json.JSONDecodeError, ValueError, RecursionError) as exc:
+        raise HeaderError(f"header is not valid JSON: {exc}", file=path) from exc
+    if not isinstance(doc, dict):
+        raise HeaderError("header is not a JSON object", file=path)
+    metadata = doc.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise HeaderError("__metadata__ must map strings to strings", file=path)
+    entries = {name: _parse_entry(path, name, entry, data_len) for name, entry in doc.items()}
+    _check_layout(path, [(b, e, n) for n, (_, _, b, e) in entries.items()], data_len)
+    return entries, metadata
+
+
+def read_safetensors_file(path: str | os.PathLike) -> SafetensorsFile:
+    """Open and validate one file. The descriptor stays open (see SafetensorsFile)."""
+    path = os.fspath(path)
+    fd = _open_for_read(path)
+    try:
+        st = os.fstat(fd)
+        size = st.st_size
+        if size == 0:
+            raise HeaderError("file is empty", file=path)
+        if size < 8:
+            raise HeaderError(f"file is {size} bytes, too short for the 8-byte header length", file=path)
+        header_len = int.from_bytes(_pread_exact(fd, 8, 0, path, "header length"), "little")
+        if header_len > MAX_HEADER_BYTES:
+            raise HeaderError(
+                f"header length {header_len} exceeds the {MAX_HEADER_BYTES}-byte limit; "
+                "this is not a safetensors file or it is corrupt", file=path)
+        if header_len > size - 8:
+            raise HeaderError(
+                f"header length {header_len} reaches beyond the end of the {size}-byte file",
+                file=path)
+        raw = _pread_exact(fd, header_len, 8, path, "header")
+        data_offset = 8 + header_len
+        entries, metadata = parse_header_bytes(path, raw, size - data_offset)
+        tensors = {
+            name: TensorInfo(name, path, dtype, shape, data_offset + begin, data_offset + end)
+            for name, (dtype, shape, begin, end) in entries.items()
+        }
+        return SafetensorsFile(path, data_offset, tensors, metadata, FileIdentity.of(st), fd)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+class Checkpoint:
+    """All files of a checkpoint and a routing table ``tensor name -> TensorInfo``.
+
+    Accepts a directory with ``model.safetensors.index.json``, a directory of
+    ``*.safetensors`` without an index, or a single file. Files listed by an index are
+    cross-checked against it; a tensor in two files is an error (as in TGI and vLLM).
+    """
+
+    def __init__(self, files: Iterable[SafetensorsFile], *, source: str) -> None:
+        self.source = source
+        self.files: dict[str, SafetensorsFile] = {}
+        self.tensors: dict[str, TensorInfo] = {}
+        for sf in files:
+            self.add_file(sf)
+
+    @classmethod
+    def discover(cls, path: str | os.PathLike) -> Checkpoint:
+        root = Path(path)
+        if root.is_file():
+            return cls([read_safetensors_file(root)], source=str(root))
+        if not root.exists():
+            raise MissingFileError("checkpoint path does not exist", file=root)
+        index = root / INDEX_NAME
+        if not index.exists():
+            indexes = sorted(root.glob("*.safetensors.index.json"))
+            index = indexes[0] if len(indexes) == 1 else index
+        if index.exists():
+            return cls._from_index(root, index)
+        shards = sorted(root.glob("*.safetensors"))
+        if not shards:
+            raise MissingFileError("no *.safetensors files in directory", file=root)
+        return cls(_read_all(shards), source=str(root))
+
+    @classmethod
+    def _from_index(cls, root: Path, index: Path) -> Checkpoint:
+        try:
+            doc = json.loads(index.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise HeaderError(f"cannot read index: {exc}", file=index) from exc
+        weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+            raise HeaderError("index has no 'weight_map' of tensor name -> file name", file=index)
+        wanted_files: dict[str, str] = {}
+        for name, filename in weight_map.items():
+            wanted_files.setdefault(filename, name)
+        for filename, example in wanted_files.items():
+            if not (root / filename).is_file():
+                raise MissingFileError(
+                    f"index {index.name} maps tensors to this file but it does not exist",
+                    file=root / filename, tensor=example)
+        ckpt = cls(_read_all(root / f for f in wanted_files), source=str(root))
+        for name, filename in weight_map.items():
+            info = ckpt.tensors.get(name)
+            expected = str(root / filename)
+            if info is None:
+                raise IndexMismatchError(
+                    f"index {index.name} says this tensor is in {filename} but that file does not hold it",
+                    file=expected, tensor=name)
+            if info.file != expected:
+                raise IndexMismatchError(
+                    f"index {index.name} maps this tensor to {filename} but it is in {Path(info.file).name}",
+                    file=info.file, tensor=name)
+        return ckpt
+
+    def add_file(self, sf: SafetensorsFile) -> None:
+        """Add a file (also after construction: TGI adds speculator files to its routing)."""
+        if sf.path in self.files:
+            return
+        for name, info in sf.tensors.items():
+            other = self.tensors.get(name)
+            if other is not None:
+                raise IndexMismatchError(
+                    f"tensor is in two files: {other.file} and {sf.path}", file=sf.path, tensor=name)
+        self.files[sf.path] = sf
+        self.tensors.update(sf.tensors)
+
+    def file_for(self, path: str) -> SafetensorsFile:
+        """The parsed file at ``path``, parsing it on first use."""
+        path = os.fspath(path)
+        sf = self.files.get(path)
+        if sf is None:
+            sf = read_safetensors_file(path)
+            self.add_file(sf)
+        return sf
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise TensorNotFoundError(
+                f"no tensor of this name in the checkpoint ({len(self.tensors)} tensors in "
+                f"{len(self.files)} files)", file=self.source, tensor=name) from None
+
+    def check_unchanged(self, paths: Iterable[str] | None = None) -> None:
+        for path in (self.files if paths is None else paths):
+            self.files[path].check_unchanged()
+
+    def close(self) -> None:
+        for sf in self.files.values():
+            sf.close()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+
+def _read_all(paths: Iterable[Path | str]) -> list[SafetensorsFile]:
+    opened: list[SafetensorsFile] = []
+    try:
+        for p in paths:
+            opened.append(read_safetensors_file(p))
+    except CheckpointError:
+        for sf in opened:
+            sf.close()
+        raise
+    return opened

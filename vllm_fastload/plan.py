@@ -1,0 +1,282 @@
+"""Turn "which tensors (or slices) does this rank need" into exactly the byte ranges to read.
+
+A dim-0 slice of a row-major tensor is one contiguous range. A slice along a later dim is
+one segment per outer row; the plan either reads those segments one by one ("strided") or
+reads the rows that enclose them and narrows afterwards ("enclosing"). The cost rule:
+
+    read row by row  iff  bytes skipped per row >= strided_min_skip
+
+because one extra read call costs about as much as reading ``strided_min_skip`` bytes, and
+below one page (4 KiB) the disk transfers the skipped bytes anyway. The default threshold
+comes from the backend (see ``readers.default_strided_min_skip``) and can be overridden.
+
+Ranges are then coalesced, in file-offset order, into aggregated reads ("chunks") of up to
+``aggregate_size`` bytes, and tensors are grouped by transformer layer so that layers complete
+in order. Nothing here touches the disk beyond the already-parsed headers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vllm_fastload.errors import InvalidRequestError
+from vllm_fastload.format import Checkpoint, TensorInfo
+from vllm_fastload.layers import LayerKey, layer_key
+
+#: Buffer positions that start a new read are aligned to this (covers every dtype, and
+#: the 4 KiB-friendly sizes GPUDirect Storage prefers are multiples of it).
+BUFFER_ALIGN = 64
+
+
+@dataclass(frozen=True)
+class TensorRequest:
+    """A whole tensor, or only ``[start, start + length)`` along ``dim``.
+
+    Several requests may name the same tensor (the q/k/v parts of a fused parameter);
+    ``key`` tells them apart in the results and defaults to ``name``.
+    """
+
+    name: str
+    dim: int | None = None
+    start: int = 0
+    length: int | None = None
+    key: str | None = None
+
+    @property
+    def result_key(self) -> str:
+        return self.key if self.key is not None else self.name
+
+
+@dataclass
+class PlannedTensor:
+    """One request resolved against the file: what to read and how to view it afterwards."""
+
+    request: TensorRequest
+    info: TensorInfo
+    shape: tuple[int, ...]          # shape of the result
+    strategy: str                   # "whole" | "contiguous" | "strided" | "enclosing"
+    ranges: list[tuple[int, int]]   # (file offset, length) in result order
+    needed_bytes: int
+    layer: LayerKey
+    # For "enclosing": element strides of the view over the read bytes.
+    view_strides: tuple[int, ...] | None = None
+    dest: object = None             # caller-given destination (torch.Tensor) for read_into
+
+    @property
+    def read_bytes(self) -> int:
+        return sum(length for _, length in self.ranges)
+
+    @property
+    def key(self) -> str:
+        return self.request.result_key
+
+
+@dataclass
+class ReadOp:
+    """One read call: ``length`` bytes at ``file_offset`` into the chunk buffer at ``buf_offset``."""
+
+    file_offset: int
+    length: int
+    buf_offset: int
+
+
+@dataclass
+class Chunk:
+    """An aggregated read from one file: the unit of buffering and of read-ahead."""
+
+    file: str
+    ops: list[ReadOp]
+    nbytes: int                                  # buffer size needed
+    tensors: list[tuple[PlannedTensor, int]]     # (tensor, buffer offset) in yield order
+    direct: bool = False                         # reads land in the tensors' own ``dest``
+
+
+@dataclass
+class LayerGroup:
+    key: LayerKey
+    tensors: list[PlannedTensor] = field(default_factory=list)
+    chunks: list[Chunk] = field(default_factory=list)
+
+    @property
+    def read_bytes(self) -> int:
+        return sum(t.read_bytes for t in self.tensors)
+
+
+@dataclass
+class Plan:
+    groups: list[LayerGroup]
+    checkpoint_bytes: int
+
+    @property
+    def tensors(self) -> list[PlannedTensor]:
+        return [t for g in self.groups for t in g.tensors]
+
+    @property
+    def chunks(self) -> list[Chunk]:
+        return [c for g in self.groups for c in g.chunks]
+
+    @property
+    def read_bytes(self) -> int:
+        return sum(g.read_bytes for g in self.groups)
+
+    @property
+    def needed_bytes(self) -> int:
+        return sum(t.needed_bytes for t in self.tensors)
+
+    @property
+    def largest_chunk(self) -> int:
+        return max((c.nbytes for c in self.chunks if not c.direct), default=0)
+
+    def bytes_per_file(self) -> dict[str, int]:
+        out: dict[str, int] = defaultdict(int)
+        for t in self.tensors:
+            out[t.info.file] += t.read_bytes
+        return dict(out)
+
+    def strategy_counts(self) -> dict[str, int]:
+        out: dict[str, int] = defaultdict(int)
+        for t in self.tensors:
+            out[t.strategy] += 1
+        return dict(out)
+
+    def summary(self) -> str:
+        """Human-readable table: bytes per file and per layer, totals, read amplification."""
+        lines = ["bytes per file:"]
+        for path, nbytes in sorted(self.bytes_per_file().items()):
+            lines.append(f"  {Path(path).name:<40} {_mb(nbytes):>12}")
+        lines.append("bytes per layer group:")
+        for g in self.groups:
+            lines.append(f"  {g.key.name:<14} {len(g.tensors):>5} tensors {_mb(g.read_bytes):>12}"
+                         f" in {len(g.chunks)} reads")
+        amp = self.read_bytes / self.needed_bytes if self.needed_bytes else 1.0
+        frac = self.read_bytes / self.checkpoint_bytes if self.checkpoint_bytes else 0.0
+        lines += [
+            f"tensors: {len(self.tensors)} ({', '.join(f'{k} {v}' for k, v in sorted(self.strategy_counts().items()))})",
+            f"aggregated reads: {len(self.chunks)}, read calls: {sum(len(c.ops) for c in self.chunks)}",
+            f"checkpoint: {_mb(self.checkpoint_bytes)}  needed: {_mb(self.needed_bytes)}  "
+            f"read: {_mb(self.read_bytes)} ({frac:.3f} of checkpoint)",
+            f"read amplification (read / needed): {amp:.3f}",
+        ]
+        return "\n".join(lines)
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
+def plan_tensor(info: TensorInfo, request: TensorRequest, strided_min_skip: int) -> PlannedTensor:
+    """Resolve one request into byte ranges (validating dim/start/length against the tensor)."""
+    shape, bits, name = info.shape, info.bits, info.name
+    layer = layer_key(name)
+    if request.dim is None:
+        return PlannedTensor(request, info, shape, "whole", [(info.start, info.nbytes)] if info.nbytes else [],
+                             info.nbytes, layer)
+    ndim = len(shape)
+    dim = request.dim + ndim if request.dim < 0 else request.dim
+    if not 0 <= dim < ndim:
+        raise InvalidRequestError(
+            f"dim {request.dim} is out of range for a tensor of shape {list(shape)}", file=info.file, tensor=name)
+    size = shape[dim]
+    start = request.start
+    length = size - start if request.length is None else request.length
+    if start < 0 or length < 0 or start + length > size:
+        raise InvalidRequestError(
+            f"slice [{start}, {start + length}) along dim {dim} is outside the tensor's size {size} "
+            f"(shape {list(shape)})", file=info.file, tensor=name)
+    out_shape = shape[:dim] + (length,) + shape[dim + 1:]
+    outer = math.prod(shape[:dim])
+    inner_bits = math.prod(shape[dim + 1:]) * bits
+    if bits % 8 and (dim != 0 or (start * inner_bits) % 8 or (length * inner_bits) % 8):
+        raise InvalidRequestError(
+            f"a slice of a {info.dtype} tensor must start and end on whole bytes along dim 0",
+            file=info.file, tensor=name)
+    seg = length * inner_bits // 8
+    row = size * inner_bits // 8
+    first = info.start + start * inner_bits // 8
+    needed = outer * seg
+    if outer == 1 or seg == row or needed == 0:
+        # One contiguous range: dim 0, a full-size slice, or everything before `dim` is 1.
+        ranges = [(first, needed)] if needed else []
+        return PlannedTensor(request, info, out_shape, "contiguous", ranges, needed, layer)
+    if row - seg >= strided_min_skip:
+        ranges = [(first + i * row, seg) for i in range(outer)]
+        return PlannedTensor(request, info, out_shape, "strided", ranges, needed, layer)
+    # Read from the first needed byte to the last and view it with the original strides.
+    enclosing = (outer - 1) * row + seg
+    strides = tuple(math.prod(shape[d + 1:]) for d in range(ndim))
+    return PlannedTensor(request, info, out_shape, "enclosing", [(first, enclosing)], needed, layer,
+                         view_strides=strides)
+
+
+def _align(n: int) -> int:
+    return -(-n // BUFFER_ALIGN) * BUFFER_ALIGN
+
+
+def _element_align(t: PlannedTensor) -> int:
+    return max(1, t.info.bits // 8)
+
+
+def _build_chunks(tensors: Sequence[PlannedTensor], aggregate_size: int) -> list[Chunk]:
+    """Pack tensors (already in file order) into chunks; merge reads contiguous in file and buffer.
+
+    Direct tensors (read straight into a caller's destination) get chunks of their own with
+    no buffer; the executor derives their read calls from ``tensor.ranges``.
+    """
+    chunks: list[Chunk] = []
+    current: Chunk | None = None
+    filled = 0
+    for t in tensors:
+        direct = t.dest is not None
+        size = t.read_bytes
+        if (current is None or current.file != t.info.file or current.direct != direct
+                or (filled + size > aggregate_size and current.tensors)):
+            current = Chunk(t.info.file, [], 0, [], direct)
+            chunks.append(current)
+            filled = 0
+        filled += size
+        if direct:
+            current.tensors.append((t, 0))
+            continue
+        last = current.ops[-1] if current.ops else None
+        pos = current.nbytes
+        if not (last is not None and t.ranges and last.file_offset + last.length == t.ranges[0][0]
+                and pos % _element_align(t) == 0):
+            pos = _align(pos)
+        current.tensors.append((t, pos))
+        for offset, length in t.ranges:
+            last = current.ops[-1] if current.ops else None
+            if last is not None and last.file_offset + last.length == offset and last.buf_offset + last.length == pos:
+                last.length += length
+            else:
+                current.ops.append(ReadOp(offset, length, pos))
+            pos += length
+        current.nbytes = max(current.nbytes, pos)
+    return chunks
+
+
+def build_plan(checkpoint: Checkpoint, requests: Iterable[TensorRequest | str], *,
+               aggregate_size: int, strided_min_skip: int,
+               dests: dict[str, object] | None = None) -> Plan:
+    """The per-rank plan: every request resolved, grouped by layer, coalesced into chunks."""
+    groups: dict[LayerKey, LayerGroup] = {}
+    seen: set[str] = set()
+    for req in requests:
+        req = TensorRequest(req) if isinstance(req, str) else req
+        if req.result_key in seen:
+            raise InvalidRequestError("the same result key is requested twice; give each slice a distinct key",
+                                      file=checkpoint.source, tensor=req.result_key)
+        seen.add(req.result_key)
+        planned = plan_tensor(checkpoint.info(req.name), req, strided_min_skip)
+        if dests is not None:
+            planned.dest = dests.get(req.result_key)
+        groups.setdefault(planned.layer, LayerGroup(planned.layer)).tensors.append(planned)
+    ordered = [groups[k] for k in sorted(groups)]
+    for g in ordered:
+        g.tensors.sort(key=lambda t: (t.dest is not None, t.info.file,
+                                      t.ranges[0][0] if t.ranges else t.info.start))
+        g.chunks = _build_chunks(g.tensors, aggregate_size)
+    return Plan(ordered, checkpoint.total_bytes)

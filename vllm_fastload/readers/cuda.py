@@ -1,0 +1,69 @@
+"""``cuda``: threads ``pread`` into pinned staging buffers; copies to the GPU run async on a side stream.
+
+Disk and PCIe overlap: while one slot's bytes travel to the device, other threads fill other
+slots. A slot is returned to the ring only after its copy completed, so staging memory is bounded
+by ``slots x read_size`` (at most half the memory budget).
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Sequence
+
+import torch
+
+from vllm_fastload.config import FastloadConfig
+from vllm_fastload.format import SafetensorsFile
+from vllm_fastload.readers.base import Pending, ReadCall, Reader, pread_into
+
+
+class CudaReader(Reader):
+    name = "cuda"
+
+    def __init__(self, config: FastloadConfig, device: torch.device) -> None:
+        super().__init__(config, device)
+        if device.type != "cuda":
+            raise ValueError(f"the cuda backend needs a CUDA device, got {device}")
+        self.slot_size = int(config.read_size)
+        slots = max(2, min(2 * config.threads, config.memory_budget // 2 // self.slot_size))
+        self._slots: queue.Queue = queue.Queue()
+        for _ in range(slots):
+            self._slots.put(torch.empty(self.slot_size, dtype=torch.uint8, pin_memory=True))
+        self._nslots = slots
+        self.stream = torch.cuda.Stream(device=device)
+
+    @property
+    def staging_bytes(self) -> int:
+        return self._nslots * self.slot_size
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def submit(self, sf: SafetensorsFile, calls: Sequence[ReadCall]) -> Pending:
+        pool = self.threads()
+        futures = [pool.submit(self._stage_batch, sf.fd, sf.path, batch)
+                   for batch in self.batches(calls, self.slot_size)]
+        return Pending(futures)
+
+    def _stage_batch(self, fd: int, path: str, batch: list[ReadCall]) -> None:
+        slot = self._slots.get()
+        try:
+            used = 0
+            for offset, length, _ in batch:
+                pread_into(fd, path, offset, memoryview(slot[used:used + length].numpy()))
+                used += length
+            with torch.cuda.stream(self.stream):
+                used = 0
+                for _, length, dest in batch:
+                    dest.copy_(slot[used:used + length], non_blocking=True)
+                    used += length
+                done = torch.cuda.Event()
+                done.record(self.stream)
+            # Other threads keep reading into other slots meanwhile: disk and PCIe overlap.
+            done.synchronize()
+        finally:
+            self._slots.put(slot)
+
+    def close(self) -> None:
+        super().close()
+        self.stream.synchronize()

@@ -1,0 +1,62 @@
+"""From bytes in a buffer to torch tensors: the dtype map, zero-copy views and casts."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_fastload.errors import InvalidRequestError
+from vllm_fastload.plan import PlannedTensor
+
+_TORCH_DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16,
+    "I32": torch.int32, "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F32": torch.float32, "F64": torch.float64, "C64": torch.complex64,
+}
+for _name, _attr in [("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"),
+                     ("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"),
+                     ("F8_E4M3FNUZ", "float8_e4m3fnuz"), ("F8_E5M2FNUZ", "float8_e5m2fnuz"),
+                     ("F8_E8M0", "float8_e8m0fnu"), ("F4", "float4_e2m1fn_x2")]:
+    if hasattr(torch, _attr):
+        _TORCH_DTYPES[_name] = getattr(torch, _attr)
+
+#: Only these are converted when a target dtype is given; fp8, ints and bools are data, not
+#: precision, and are never cast (a quantised weight cast to bf16 would be silently wrong).
+CASTABLE = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
+
+
+def torch_dtype(t: PlannedTensor) -> torch.dtype:
+    try:
+        return _TORCH_DTYPES[t.info.dtype]
+    except KeyError:
+        raise InvalidRequestError(f"dtype {t.info.dtype} has no torch equivalent in torch {torch.__version__}",
+                                  file=t.info.file, tensor=t.info.name) from None
+
+
+def torch_shape(t: PlannedTensor) -> tuple[int, ...]:
+    """Torch packs two F4 values per element, so its last dim is half the logical one."""
+    if t.info.dtype != "F4" or not t.shape:
+        return t.shape
+    if t.shape[-1] % 2:
+        raise InvalidRequestError("an F4 tensor's last dim must be even to view it in torch",
+                                  file=t.info.file, tensor=t.info.name)
+    return t.shape[:-1] + (t.shape[-1] // 2,)
+
+
+def view_tensor(raw: torch.Tensor, t: PlannedTensor) -> torch.Tensor:
+    """View the bytes read for ``t`` (uint8, 1-D, exactly ``t.read_bytes``) as the result tensor."""
+    dtype = torch_dtype(t)
+    typed = raw.view(dtype)
+    if t.strategy == "enclosing":
+        return typed.as_strided(t.shape, t.view_strides)
+    return typed.view(torch_shape(t))
+
+
+def cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    if dtype is None or tensor.dtype == dtype or tensor.dtype not in CASTABLE:
+        return tensor
+    return tensor.to(dtype)
+
+
+def byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's memory as a flat uint8 tensor (same storage)."""
+    return tensor.reshape(-1).view(torch.uint8) if tensor.numel() else tensor.new_empty(0, dtype=torch.uint8)
