@@ -24,7 +24,20 @@ from vllm_fastload.plan import TensorRequest
 __version__ = "0.1.0"
 
 __all__ = [
-    "open", "FastCheckpoint", "FastloadConfig", "ConfigError", "LayerEvent", "TensorRequest",
-    "CheckpointError", "HeaderError", "TensorMetadataError", "TruncatedFileError", "MissingFileError",
-    "IndexMismatchError", "TensorNotFoundError", "InvalidRequestError", "ReadError", "FileChangedError",
+    "CheckpointError",
+    "ConfigError",
+    "FastCheckpoint",
+    "FastloadConfig",
+    "FileChangedError",
+    "HeaderError",
+    "IndexMismatchError",
+    "InvalidRequestError",
+    "LayerEvent",
+    "MissingFileError",
+    "ReadError",
+    "TensorMetadataError",
+    "TensorNotFoundError",
+    "TensorRequest",
+    "TruncatedFileError",
+    "open",
 ]

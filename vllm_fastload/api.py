@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -110,12 +110,16 @@ class FastCheckpoint:
         for planned, tensor in self._execute(plan):
             yield planned.key, cast(tensor, dtype)
 
-    def read_into(self, targets: Mapping[RequestLike, torch.Tensor]) -> LoadStats:
+    def read_into(self, targets: Mapping[RequestLike, torch.Tensor], *,
+                  extra: Iterable[RequestLike] = (),
+                  on_tensor: Callable[[str, torch.Tensor], object] | None = None) -> LoadStats:
         """Read each request straight into the caller's tensor (same shape; dtype equal or castable).
 
         Contiguous destinations on the reader's device with the checkpoint's dtype receive the
         bytes directly (no intermediate copy); others are filled from a read buffer with
-        ``copy_`` (which also converts the dtype, on the destination's device).
+        ``copy_`` (which also converts the dtype, on the destination's device). Requests in
+        ``extra`` are read in the same pass and handed to ``on_tensor(key, tensor)`` as views
+        (valid during the call). Layer events fire as in ``iter_tensors``.
         """
         requests: list[TensorRequest] = []
         by_key: dict[str, torch.Tensor] = {}
@@ -128,10 +132,16 @@ class FastCheckpoint:
             by_key[req.result_key] = dest
             if self._can_read_directly(planned, dest):
                 direct[req.result_key] = dest
+        requests += [TensorRequest(r) if isinstance(r, str) else r for r in extra]
         plan = self.plan(requests, dests=direct)
         for planned, tensor in self._execute(plan):
-            if planned.dest is None:
-                by_key[planned.key].copy_(tensor)
+            if planned.dest is not None:
+                continue
+            dest = by_key.get(planned.key)
+            if dest is not None:
+                dest.copy_(tensor)
+            elif on_tensor is not None:
+                on_tensor(planned.key, tensor)
         return self.last_stats
 
     # -- internals --------------------------------------------------------------------------
@@ -184,7 +194,7 @@ class FastCheckpoint:
             self.last_stats = executor.stats
 
 
-def open(path: str | os.PathLike, device: str | torch.device = "cpu",  # noqa: A001  (safetensors' name)
+def open(path: str | os.PathLike, device: str | torch.device = "cpu",
          config: FastloadConfig | Mapping[str, Any] | None = None) -> FastCheckpoint:
     """Open a checkpoint (directory with index, directory of shards, or one file)."""
     return FastCheckpoint(path, device, config)

@@ -3,8 +3,11 @@
 Reusing buffers matters (filling fresh memory is several times slower than filling touched
 memory), but reusing one while the caller still holds a tensor that views it is the classic
 loader bug: the caller's tensor silently changes. So before a buffer is reused we ask torch
-how many tensors still reference its storage; if the caller kept any, the buffer is handed
-over to the caller (it is freed when they drop it) and leaves the pool and the budget.
+how many tensors still reference its storage. A returned buffer that is still referenced is
+parked, not reused: it comes back into use once every view of it is gone (the caller copied and
+dropped, or a loop variable was rebound later than we looked), and it is handed over to the
+caller (freed when they drop it, leaving the pool and the budget) only when the budget needs
+its room while views of it are still alive.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from dataclasses import dataclass
 import torch
 
 ALLOC_GRANULE = 2 << 20
+#: Rounding used instead of ALLOC_GRANULE when a granule would not fit in the budget.
+SMALL_GRANULE = 4096
 
 
 def storage_references(tensor: torch.Tensor) -> int:
@@ -23,7 +28,7 @@ def storage_references(tensor: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
 
 
-@dataclass
+@dataclass(eq=False)  # identity: list.remove() must never compare tensors elementwise
 class Buffer:
     tensor: torch.Tensor
     baseline: int   # reference count when only the pool holds it
@@ -33,8 +38,8 @@ class Buffer:
         return self.tensor.numel()
 
 
-def _round_up(n: int) -> int:
-    return -(-n // ALLOC_GRANULE) * ALLOC_GRANULE
+def _round_up(n: int, granule: int = ALLOC_GRANULE) -> int:
+    return -(-n // granule) * granule
 
 
 class BufferPool:
@@ -48,23 +53,42 @@ class BufferPool:
         self.peak = 0
         self.handed_over = 0   # buffers given up because the caller kept a view
         self._free: list[Buffer] = []
+        self._kept: list[Buffer] = []   # returned while still referenced; counted in ``held``
         self._lock = threading.Lock()
+
+    def _size_for(self, nbytes: int) -> int:
+        """Round to the allocation granule, or to a page where a granule would not fit the budget."""
+        size = _round_up(nbytes)
+        return size if size <= self.budget else _round_up(nbytes, SMALL_GRANULE)
+
+    def _reclaim(self) -> None:
+        """Move parked buffers whose views are all gone back to the free list (lock held)."""
+        still: list[Buffer] = []
+        for b in self._kept:
+            (self._free if storage_references(b.tensor) <= b.baseline else still).append(b)
+        self._kept = still
 
     def try_acquire(self, nbytes: int) -> Buffer | None:
         """A buffer, or None if the budget is exhausted by buffers in use."""
         with self._lock:
+            self._reclaim()
             fitting = [b for b in self._free if b.capacity >= nbytes]
             if fitting:
                 best = min(fitting, key=lambda b: b.capacity)
                 self._free.remove(best)
                 return best
-            size = _round_up(max(nbytes, self.min_size))
+            size = self._size_for(max(nbytes, self.min_size))
             if self.held + size > self.budget:
-                size = _round_up(nbytes)
-            # Drop idle buffers that are too small until the new one fits.
+                size = self._size_for(nbytes)
+            # Drop idle buffers that are too small until the new one fits, then give up
+            # (hand over) parked buffers the caller still references, oldest first.
             self._free.sort(key=lambda b: b.capacity)
-            while self.held + size > self.budget and self._free:
-                self.held -= self._free.pop(0).capacity
+            while self.held + size > self.budget and (self._free or self._kept):
+                if self._free:
+                    self.held -= self._free.pop(0).capacity
+                else:
+                    self.held -= self._kept.pop(0).capacity
+                    self.handed_over += 1
             if self.held + size > self.budget:
                 return None
             self.held += size
@@ -82,16 +106,17 @@ class BufferPool:
         return Buffer(tensor, -1)
 
     def release(self, buf: Buffer) -> None:
-        """Return a buffer; if the caller still references it, let it go with the caller."""
+        """Return a buffer whose reads are complete.
+
+        Unreferenced, it is free for reuse at once; still referenced by a caller's tensor, it is
+        parked until those views are gone, or handed over to the caller when the budget needs
+        its room first (see ``try_acquire``). Either way it is never overwritten while viewed.
+        """
         if buf.baseline < 0:
             return  # oversize: never pooled
         kept = storage_references(buf.tensor) > buf.baseline
         with self._lock:
-            if kept:
-                self.held -= buf.capacity
-                self.handed_over += 1
-            else:
-                self._free.append(buf)
+            (self._kept if kept else self._free).append(buf)
 
     def discard(self, buf: Buffer) -> None:
         """Forget a buffer without reusing it (its contents are unknown after an error)."""
@@ -100,7 +125,11 @@ class BufferPool:
                 self.held -= buf.capacity
 
     def clear(self) -> None:
+        """Forget every idle buffer; parked ones still referenced go with their holders."""
         with self._lock:
-            for b in self._free:
+            self._reclaim()
+            self.handed_over += len(self._kept)
+            for b in self._free + self._kept:
                 self.held -= b.capacity
             self._free.clear()
+            self._kept.clear()

@@ -81,8 +81,11 @@ class PlanExecutor:
 
         # A buffer goes back to the pool one chunk late: when the caller asks for the next
         # item, its loop variable still holds the previous tensor, so only after a further
-        # chunk can "still referenced" be told apart from "kept on purpose".
+        # chunk can "still referenced" be told apart from "kept on purpose". (The pool parks a
+        # buffer that is still referenced and re-checks it later, so being early is safe too.)
         previous: Buffer | None = None
+        item: _InFlight | None = None
+        handed_over_before = self.pool.handed_over
         try:
             for group in plan.groups:
                 for _ in group.chunks:
@@ -97,14 +100,19 @@ class PlanExecutor:
                         if previous is not None:
                             self.pool.release(previous)
                         previous, item.buffer = item.buffer, None
+                    item = None
                 if progress is not None:
                     progress.layer_done(group.key.layer, group.key.name, len(group.tensors), group.read_bytes)
         finally:
             if previous is not None:
                 self.pool.release(previous)
+            # The chunk being delivered when the caller stopped (break, exception) or that
+            # failed: its buffer goes back too, or the pool would count it as held forever.
+            if item is not None:
+                in_flight.appendleft(item)
             self._drain(in_flight)
             self.stats.peak_buffer_bytes = max(self.stats.peak_buffer_bytes, self.pool.peak)
-            self.stats.buffers_handed_over = self.pool.handed_over
+            self.stats.buffers_handed_over = self.pool.handed_over - handed_over_before
 
     def _oversize(self, chunk: Chunk) -> Buffer:
         names = ", ".join(t.key for t, _ in chunk.tensors)
@@ -140,13 +148,19 @@ class PlanExecutor:
                 yield t, view_tensor(item.buffer.tensor[pos:pos + t.read_bytes], t)
 
     def _drain(self, in_flight: deque[_InFlight]) -> None:
-        """Stop cleanly: reads still running must finish before their buffers can be freed."""
+        """Stop cleanly: reads still running must finish before their buffers are reused or freed.
+
+        Once every read of a chunk has finished (``Pending.wait`` waits for all of them, even
+        after an error) its buffer goes back to the pool, which reuses it only if the caller
+        holds no view of it.
+        """
         while in_flight:
             item = in_flight.popleft()
             try:
                 if item.pending is not None:
                     item.pending.wait()
-            except Exception:  # noqa: BLE001  (already unwinding from the first error)
+            except Exception:
                 pass
             if item.buffer is not None:
-                self.pool.discard(item.buffer)
+                self.pool.release(item.buffer)
+                item.buffer = None

@@ -272,8 +272,15 @@ class Checkpoint:
         self.source = source
         self.files: dict[str, SafetensorsFile] = {}
         self.tensors: dict[str, TensorInfo] = {}
-        for sf in files:
-            self.add_file(sf)
+        files = list(files)
+        try:
+            for sf in files:
+                self.add_file(sf)
+        except BaseException:
+            # A failed constructor must not leak the descriptors of the files it was given.
+            for sf in files:
+                sf.close()
+            raise
 
     @classmethod
     def discover(cls, path: str | os.PathLike) -> Checkpoint:
@@ -312,8 +319,16 @@ class Checkpoint:
                     f"index {index.name} maps tensors to this file but it does not exist",
                     file=root / filename, tensor=example)
         ckpt = cls(_read_all(root / f for f in wanted_files), source=str(root))
+        try:
+            ckpt._check_index(index, root, weight_map)
+        except BaseException:
+            ckpt.close()  # no descriptor outlives a checkpoint that failed to open
+            raise
+        return ckpt
+
+    def _check_index(self, index: Path, root: Path, weight_map: dict[str, str]) -> None:
         for name, filename in weight_map.items():
-            info = ckpt.tensors.get(name)
+            info = self.tensors.get(name)
             expected = str(root / filename)
             if info is None:
                 raise IndexMismatchError(
@@ -323,13 +338,12 @@ class Checkpoint:
                 raise IndexMismatchError(
                     f"index {index.name} maps this tensor to {filename} but it is in {Path(info.file).name}",
                     file=info.file, tensor=name)
-        return ckpt
 
     def add_file(self, sf: SafetensorsFile) -> None:
         """Add a file (also after construction: TGI adds speculator files to its routing)."""
         if sf.path in self.files:
             return
-        for name, info in sf.tensors.items():
+        for name in sf.tensors:
             other = self.tensors.get(name)
             if other is not None:
                 raise IndexMismatchError(

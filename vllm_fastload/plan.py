@@ -154,8 +154,9 @@ class Plan:
                          f" in {len(g.chunks)} reads")
         amp = self.read_bytes / self.needed_bytes if self.needed_bytes else 1.0
         frac = self.read_bytes / self.checkpoint_bytes if self.checkpoint_bytes else 0.0
+        strategies = ", ".join(f"{k} {v}" for k, v in sorted(self.strategy_counts().items()))
         lines += [
-            f"tensors: {len(self.tensors)} ({', '.join(f'{k} {v}' for k, v in sorted(self.strategy_counts().items()))})",
+            f"tensors: {len(self.tensors)} ({strategies})",
             f"aggregated reads: {len(self.chunks)}, read calls: {sum(len(c.ops) for c in self.chunks)}",
             f"checkpoint: {_mb(self.checkpoint_bytes)}  needed: {_mb(self.needed_bytes)}  "
             f"read: {_mb(self.read_bytes)} ({frac:.3f} of checkpoint)",
@@ -173,8 +174,8 @@ def plan_tensor(info: TensorInfo, request: TensorRequest, strided_min_skip: int)
     shape, bits, name = info.shape, info.bits, info.name
     layer = layer_key(name)
     if request.dim is None:
-        return PlannedTensor(request, info, shape, "whole", [(info.start, info.nbytes)] if info.nbytes else [],
-                             info.nbytes, layer)
+        ranges = [(info.start, info.nbytes)] if info.nbytes else []
+        return PlannedTensor(request, info, shape, "whole", ranges, info.nbytes, layer)
     ndim = len(shape)
     dim = request.dim + ndim if request.dim < 0 else request.dim
     if not 0 <= dim < ndim:
@@ -220,11 +221,24 @@ def _element_align(t: PlannedTensor) -> int:
     return max(1, t.info.bits // 8)
 
 
+def _buffer_position(chunk: Chunk, t: PlannedTensor) -> int:
+    """Where ``t`` goes in ``chunk``'s buffer: right after the previous read if it continues it
+    in the file (so the two merge into one read call), else at the next aligned position."""
+    last = chunk.ops[-1] if chunk.ops else None
+    pos = chunk.nbytes
+    if not (last is not None and t.ranges and last.file_offset + last.length == t.ranges[0][0]
+            and pos % _element_align(t) == 0):
+        pos = _align(pos)
+    return pos
+
+
 def _build_chunks(tensors: Sequence[PlannedTensor], aggregate_size: int) -> list[Chunk]:
     """Pack tensors (already in file order) into chunks; merge reads contiguous in file and buffer.
 
-    Direct tensors (read straight into a caller's destination) get chunks of their own with
-    no buffer; the executor derives their read calls from ``tensor.ranges``.
+    A chunk's buffer (alignment padding included) stays within ``aggregate_size`` unless it
+    holds a single tensor larger than that. Direct tensors (read straight into a caller's
+    destination) get chunks of their own with no buffer; the executor derives their read
+    calls from ``tensor.ranges``.
     """
     chunks: list[Chunk] = []
     current: Chunk | None = None
@@ -232,8 +246,12 @@ def _build_chunks(tensors: Sequence[PlannedTensor], aggregate_size: int) -> list
     for t in tensors:
         direct = t.dest is not None
         size = t.read_bytes
-        if (current is None or current.file != t.info.file or current.direct != direct
-                or (filled + size > aggregate_size and current.tensors)):
+        if current is not None and current.tensors and current.file == t.info.file and current.direct == direct:
+            end = filled + size if direct else _buffer_position(current, t) + size
+            full = end > aggregate_size
+        else:
+            full = True
+        if full:
             current = Chunk(t.info.file, [], 0, [], direct)
             chunks.append(current)
             filled = 0
@@ -241,11 +259,7 @@ def _build_chunks(tensors: Sequence[PlannedTensor], aggregate_size: int) -> list
         if direct:
             current.tensors.append((t, 0))
             continue
-        last = current.ops[-1] if current.ops else None
-        pos = current.nbytes
-        if not (last is not None and t.ranges and last.file_offset + last.length == t.ranges[0][0]
-                and pos % _element_align(t) == 0):
-            pos = _align(pos)
+        pos = _buffer_position(current, t)
         current.tensors.append((t, pos))
         for offset, length in t.ranges:
             last = current.ops[-1] if current.ops else None

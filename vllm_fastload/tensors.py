@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from vllm_fastload.errors import InvalidRequestError
+from vllm_fastload.format import TensorInfo
 from vllm_fastload.plan import PlannedTensor
 
 _TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -24,22 +25,31 @@ for _name, _attr in [("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"),
 CASTABLE = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
 
 
-def torch_dtype(t: PlannedTensor) -> torch.dtype:
+def dtype_of(info: TensorInfo) -> torch.dtype:
     try:
-        return _TORCH_DTYPES[t.info.dtype]
+        return _TORCH_DTYPES[info.dtype]
     except KeyError:
-        raise InvalidRequestError(f"dtype {t.info.dtype} has no torch equivalent in torch {torch.__version__}",
-                                  file=t.info.file, tensor=t.info.name) from None
+        raise InvalidRequestError(f"dtype {info.dtype} has no torch equivalent in torch {torch.__version__}",
+                                  file=info.file, tensor=info.name) from None
+
+
+def shape_of(info: TensorInfo, shape: tuple[int, ...] | None = None) -> tuple[int, ...]:
+    """Torch packs two F4 values per element, so its last dim is half the logical one."""
+    shape = info.shape if shape is None else shape
+    if info.dtype != "F4" or not shape:
+        return shape
+    if shape[-1] % 2:
+        raise InvalidRequestError("an F4 tensor's last dim must be even to view it in torch",
+                                  file=info.file, tensor=info.name)
+    return shape[:-1] + (shape[-1] // 2,)
+
+
+def torch_dtype(t: PlannedTensor) -> torch.dtype:
+    return dtype_of(t.info)
 
 
 def torch_shape(t: PlannedTensor) -> tuple[int, ...]:
-    """Torch packs two F4 values per element, so its last dim is half the logical one."""
-    if t.info.dtype != "F4" or not t.shape:
-        return t.shape
-    if t.shape[-1] % 2:
-        raise InvalidRequestError("an F4 tensor's last dim must be even to view it in torch",
-                                  file=t.info.file, tensor=t.info.name)
-    return t.shape[:-1] + (t.shape[-1] // 2,)
+    return shape_of(t.info, t.shape)
 
 
 def view_tensor(raw: torch.Tensor, t: PlannedTensor) -> torch.Tensor:

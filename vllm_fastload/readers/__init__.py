@@ -8,7 +8,7 @@ from vllm_fastload.config import FastloadConfig
 from vllm_fastload.readers.base import Pending, ReadCall, Reader
 from vllm_fastload.readers.host import HostReader
 
-__all__ = ["Pending", "ReadCall", "Reader", "HostReader", "select_backend", "make_reader"]
+__all__ = ["HostReader", "Pending", "ReadCall", "Reader", "make_reader", "select_backend"]
 
 
 def select_backend(config: FastloadConfig, device: torch.device) -> str:

@@ -25,14 +25,27 @@ class Pending:
         self._on_done = on_done
 
     def wait(self) -> None:
+        """Wait for every read, even after one failed, then raise the first error.
+
+        Returning early on the first error would leave other reads still writing into a buffer
+        the caller is about to give up.
+        """
+        first: BaseException | None = None
         try:
             for fut in self._futures:
-                fut.result()
+                try:
+                    fut.result()
+                except BaseException as exc:
+                    if first is None:
+                        first = exc
+            if first is not None:
+                raise first
             if self._on_done is not None:
                 self._on_done()
         finally:
             self._futures = []
             self._on_done = None
+            first = None  # no reference cycle through the traceback
 
 
 class Reader(ABC):

@@ -63,6 +63,7 @@ class CudaReader(Reader):
             done.synchronize()
         finally:
             self._slots.put(slot)
+            batch.clear()  # see host._read_batch: no view of the buffer outlives the task
 
     def close(self) -> None:
         super().close()

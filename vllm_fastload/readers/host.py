@@ -19,10 +19,15 @@ HUGE_PAGE = 2 << 20
 
 
 def allocate_host(nbytes: int, hugepages: bool) -> torch.Tensor:
-    """A uint8 CPU tensor backed by its own anonymous mapping (freed when the tensor is)."""
+    """A uint8 CPU tensor backed by its own anonymous mapping (freed when the tensor is).
+
+    Its length is ``nbytes`` rounded up to whole huge pages, or to whole pages below one huge
+    page (so that a small memory budget is not overrun by the rounding).
+    """
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
-    size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+    granule = HUGE_PAGE if nbytes >= HUGE_PAGE else mmap.PAGESIZE
+    size = -(-nbytes // granule) * granule
     region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hugepages and hasattr(mmap, "MADV_HUGEPAGE"):
         try:
@@ -46,5 +51,11 @@ class HostReader(Reader):
 
 
 def _read_batch(fd: int, path: str, batch: list[ReadCall]) -> None:
-    for offset, _length, dest in batch:
-        pread_into(fd, path, offset, memoryview(dest.numpy()))
+    try:
+        for offset, _length, dest in batch:
+            pread_into(fd, path, offset, memoryview(dest.numpy()))
+    finally:
+        # Drop our views of the buffer before the future completes: the worker thread keeps
+        # its task (and so ``batch``) a moment longer, and the buffer pool must not mistake
+        # that for a caller still holding the buffer.
+        batch.clear()

@@ -21,8 +21,8 @@ from vllm_fastload.readers.base import Pending, ReadCall, Reader
 
 
 def import_kvikio():
-    import kvikio  # noqa: PLC0415  (lazy on purpose, see module docstring)
-    import kvikio.defaults  # noqa: PLC0415
+    import kvikio
+    import kvikio.defaults
 
     return kvikio
 
@@ -36,7 +36,7 @@ def gds_available() -> bool:
     defaults = kvikio.defaults
     try:
         compat = defaults.get("compat_mode") if hasattr(defaults, "get") else defaults.compat_mode()
-    except Exception:  # noqa: BLE001  (probing an optional library; any failure means "no")
+    except Exception:
         return False
     return not bool(compat) or str(compat).upper().endswith("OFF")
 
@@ -60,7 +60,7 @@ class KvikioReader(Reader):
             else:
                 defaults.num_threads_reset(config.threads)
                 defaults.task_size_reset(int(config.read_size))
-        except Exception:  # noqa: BLE001  (tuning only; kvikio keeps working with its defaults)
+        except Exception:
             pass
         self._files: dict[str, object] = {}
 
@@ -94,10 +94,10 @@ class _IOFuture(Future):
         super().__init__()
         self._inner, self._path, self._offset, self._length = inner, path, offset, length
 
-    def result(self, timeout=None):  # noqa: ARG002
+    def result(self, timeout=None):
         try:
             got = self._inner.get()
-        except Exception as exc:  # noqa: BLE001  (kvikio raises RuntimeError for EIO etc.)
+        except Exception as exc:
             raise ReadError(f"kvikio read of {self._length} bytes at offset {self._offset} failed: {exc}",
                             file=self._path) from exc
         if got != self._length:

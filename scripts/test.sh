@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Set up .venv and run the whole test suite (vLLM integration tests included; GPU tests skip
+# with their reason when there is no CUDA). Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/setup.sh
+python -m ruff check vllm_fastload tgi_patch tests examples
+exec python -m pytest -rs "$@"

@@ -1,0 +1,93 @@
+"""Real vLLM (the CPU build in CI), started once per scenario in a subprocess; checkpoints made here."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from vllm_fastload.checkpoints import write_checkpoint
+
+HERE = Path(__file__).parent
+
+#: name -> (preset, files); one file means no index (a plain model.safetensors).
+ARCHITECTURES = {
+    "llama-gqa": ("tiny-gqa1", 2),   # one kv head: replicated on both ranks at TP=2
+    "qwen2": ("tiny-qwen2", 2),      # qkv bias
+    "tied": ("tiny-tied", 1),        # tied embeddings, single file
+    "phi3": ("tiny-phi3", 1),        # pre-fused qkv_proj and gate_up_proj in the checkpoint
+    "mixtral": ("tiny-mixtral", 3),  # MoE
+}
+UNUSED_TENSOR = "model.layers.0.self_attn.rotary_emb.inv_freq"  # Llama's load_weights skips it
+
+
+def run_scenario(out_dir: Path, name: str, model: Path, load_format: str, tp: int,
+                 extra: dict | None = None, env: dict | None = None, timeout: float = 600) -> dict:
+    out = out_dir / f"{name}.json"
+    log = out_dir / f"{name}.log"
+    cmd = [sys.executable, str(HERE / "scenario.py"), str(model), load_format, str(tp), str(out)]
+    if extra is not None:
+        cmd.append(json.dumps(extra))
+    full_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+                **(env or {})}
+    with log.open("wb") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=full_env, timeout=timeout,
+                              start_new_session=True)
+    result = json.loads(out.read_text()) if out.exists() else {"error": f"no result (exit {proc.returncode})"}
+    result["log"] = log.read_text(errors="replace")
+    result["returncode"] = proc.returncode
+    return result
+
+
+class Scenarios:
+    """Caches scenario results so each vLLM start happens once per session."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.cache: dict[tuple, dict] = {}
+
+    def get(self, name: str, model: Path, load_format: str, tp: int, **kwargs) -> dict:
+        key = (name, load_format, tp)
+        if key not in self.cache:
+            self.cache[key] = run_scenario(self.root, f"{name}-{load_format}-tp{tp}", model, load_format, tp,
+                                           **kwargs)
+        return self.cache[key]
+
+
+@pytest.fixture(scope="session")
+def scenarios(tmp_path_factory) -> Scenarios:
+    return Scenarios(tmp_path_factory.mktemp("vllm-runs"))
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("checkpoints")
+    paths = {}
+    for name, (preset, files) in ARCHITECTURES.items():
+        paths[name] = write_checkpoint(root / name, preset, files=files, index=files > 1)
+    # A tensor the model never uses: it must not be read.
+    shard = paths["llama-gqa"] / "model-00001-of-00002.safetensors"
+    tensors = load_file(shard)
+    tensors[UNUSED_TENSOR] = torch.arange(16, dtype=torch.float32)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    index = paths["llama-gqa"] / "model.safetensors.index.json"
+    doc = json.loads(index.read_text())
+    doc["weight_map"][UNUSED_TENSOR] = shard.name
+    index.write_text(json.dumps(doc))
+    return paths
+
+
+def rewrite(src: Path, dst: Path, change) -> Path:
+    """Copy a single-file checkpoint, letting ``change(tensors)`` edit the tensor dict."""
+    dst.mkdir(parents=True, exist_ok=True)
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    tensors = load_file(src / "model.safetensors")
+    change(tensors)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst

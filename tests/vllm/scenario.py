@@ -1,0 +1,48 @@
+"""One vLLM start, as a subprocess of the tests: load, digest every parameter on every rank, generate.
+
+Run: python scenario.py MODEL LOAD_FORMAT TP OUT.json [EXTRA_CONFIG_JSON]
+Writes {"digests": [per-rank dict], "tokens": [...], "logprobs": [...]} or {"error": "..."}.
+"""
+
+import json
+import os
+import sys
+import traceback
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # apply_model pickles a function
+
+PROMPTS = [[1, 5, 9, 13, 21], [2, 7, 3]]
+
+
+def main() -> None:
+    model, load_format, tp, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    extra = json.loads(sys.argv[5]) if len(sys.argv) > 5 else None
+    if tp > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp)))
+    result: dict = {}
+    try:
+        from vllm import LLM, SamplingParams
+
+        from vllm_fastload.vllm_plugin.digests import parameter_digests
+
+        kwargs = {"model_loader_extra_config": extra} if extra is not None else {}
+        llm = LLM(model=model, load_format=load_format, tensor_parallel_size=tp, max_model_len=128,
+                  enforce_eager=True, dtype="bfloat16", skip_tokenizer_init=True, seed=0,
+                  distributed_executor_backend="mp" if tp > 1 else None, **kwargs)
+        result["digests"] = llm.apply_model(parameter_digests)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                            SamplingParams(max_tokens=6, temperature=0, logprobs=3, detokenize=False))
+        result["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
+        result["logprobs"] = [[{str(k): v.logprob for k, v in step.items()} for step in o.outputs[0].logprobs]
+                              for o in outs]
+    except BaseException as exc:  # report, don't hide: the test asserts on it
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        result["traceback"] = traceback.format_exc()
+    with open(out, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()

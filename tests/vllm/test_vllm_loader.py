@@ -1,0 +1,196 @@
+"""``--load-format fastload`` in the real (CPU) vLLM: the same weights as vLLM's default loader on
+every rank, the same greedy tokens and logprobs, per-rank reads, events, errors, the HTTP server."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from vllm_fastload.server import SMALL_MODEL_FLAGS, VllmServer
+
+from .conftest import ARCHITECTURES, HERE, UNUSED_TENSOR, rewrite, run_scenario
+
+pytestmark = pytest.mark.vllm
+
+SUMMARY = re.compile(r"fastload rank (\d+)/(\d+): read ([\d.]+) MB of ([\d.]+) MB checkpoint \(([\d.]+)\) "
+                     r"with backend (\w+) .*?; (\d+) whole and (\d+) sliced reads into parameters, (\d+) tensors "
+                     r"read whole and copied by vLLM's recorded slicing, (\d+) checkpoint tensors not needed")
+
+
+def summaries(log: str) -> dict[int, tuple]:
+    return {int(m.group(1)): m.groups() for m in SUMMARY.finditer(log)}
+
+
+def assert_ok(result: dict) -> None:
+    assert "error" not in result, f"{result.get('error')}\n{result.get('traceback', '')}\n{result['log'][-4000:]}"
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_fastload_equals_default_loader(arch, tp, checkpoints, scenarios, tmp_path):
+    extra, env = None, None
+    if arch == "llama-gqa" and tp == 2:
+        # The same run also proves user callbacks named by string fire on every rank.
+        extra = {"on_layer_ready": "hooks:record_layer"}
+        env = {"FASTLOAD_TEST_EVENTS": str(tmp_path / "events")}
+    fast = scenarios.get(arch, checkpoints[arch], "fastload", tp, extra=extra, env=env)
+    ref = scenarios.get(arch, checkpoints[arch], "safetensors", tp)
+    assert_ok(fast)
+    assert_ok(ref)
+
+    # Every parameter (and buffer) on every rank is bit-identical to the default loader's.
+    assert len(fast["digests"]) == len(ref["digests"]) == tp
+    for rank, (got, want) in enumerate(zip(fast["digests"], ref["digests"])):
+        assert got.keys() == want.keys()
+        different = [name for name in want if got[name] != want[name]]
+        assert not different, f"rank {rank}: {different}"
+    assert fast["tokens"] == ref["tokens"]
+    assert fast["logprobs"] == ref["logprobs"]
+
+    # One summary line per rank; with TP=2 each rank reads a slice, not the whole checkpoint.
+    lines = summaries(fast["log"])
+    assert sorted(lines) == list(range(tp)), fast["log"][-3000:]
+    for rank, (_, world, _read_mb, _total_mb, fraction, backend, *_counts) in lines.items():
+        assert int(world) == tp
+        assert backend == "host"
+        if tp == 1:
+            assert float(fraction) <= 1.0
+        else:
+            assert float(fraction) < 0.8, f"rank {rank} read {fraction} of the checkpoint"
+            assert int(lines[rank][7]) > 0, "no sliced reads at TP=2"
+    assert "reading every tensor in full" not in fast["log"]
+
+    if extra is not None:
+        for rank in range(tp):
+            events = [json.loads(line) for line in (tmp_path / f"events.{rank}").read_text().splitlines()]
+            assert [e["name"] for e in events] == ["embeddings", "layer 0", "layer 1", "final"]
+            assert [e["layers_done"] for e in events] == [1, 2, 3, 4]
+            assert all(e["layers_total"] == 4 and e["tensors"] > 0 and e["bytes"] > 0 for e in events)
+            assert [e["elapsed_s"] for e in events] == sorted(e["elapsed_s"] for e in events)
+
+
+def test_unused_checkpoint_tensor_is_not_read(checkpoints, scenarios):
+    fast = scenarios.get("llama-gqa", checkpoints["llama-gqa"], "fastload", 1)
+    assert_ok(fast)
+    (_, _, read_mb, total_mb, *_rest) = summaries(fast["log"])[0]
+    assert _rest[-1] == "1", "the rotary inv_freq tensor should be the one tensor not needed"
+    unused_mb = 16 * 4 / 1e6
+    assert float(read_mb) == pytest.approx(float(total_mb) - unused_mb, abs=0.06)
+    assert UNUSED_TENSOR not in fast["digests"][0]
+
+
+def test_openai_server_completion(checkpoints, scenarios, tmp_path):
+    from tests.vllm.scenario import PROMPTS
+
+    reference = scenarios.get("qwen2", checkpoints["qwen2"], "fastload", 1)
+    assert_ok(reference)
+    log = tmp_path / "server.log"
+    with VllmServer(checkpoints["qwen2"], ["--load-format", "fastload", *SMALL_MODEL_FLAGS], log_path=log) as srv:
+        reply = srv.complete(PROMPTS[0], max_tokens=6)
+    choice = reply["choices"][0]
+    assert reply["object"] == "text_completion"
+    assert choice["finish_reason"] == "length"
+    assert choice["token_ids"] == reference["tokens"][0]
+    text = log.read_text(errors="replace")
+    assert "fastload rank 0/1" in text
+    assert "load_format=fastload" in text
+
+
+# -- errors: start-up must fail, quickly, with our message naming file and tensor -----------------
+
+def start_fails(tmp_path: Path, model: Path, tp: int = 1, extra: dict | None = None, timeout: float = 400) -> str:
+    start = time.monotonic()
+    result = run_scenario(tmp_path, "broken", model, "fastload", tp, extra=extra, timeout=timeout)
+    assert "error" in result, "vLLM started on a broken checkpoint"
+    assert "digests" not in result
+    assert time.monotonic() - start < timeout
+    return result["log"]
+
+
+def test_unknown_extra_config_key_stops_startup(checkpoints, tmp_path):
+    log = start_fails(tmp_path, checkpoints["tied"], extra={"threads": 2, "bogus_knob": 1})
+    assert "invalid fastload configuration" in log
+    assert "bogus_knob" in log
+
+
+def test_truncated_file(checkpoints, tmp_path):
+    model = rewrite(checkpoints["tied"], tmp_path / "truncated", lambda t: None)
+    shard = model / "model.safetensors"
+    with shard.open("r+b") as f:
+        f.truncate(shard.stat().st_size - 1000)
+    log = start_fails(tmp_path, model)
+    assert "TruncatedFileError" in log
+    assert str(shard) in log
+
+
+def test_missing_tensor(checkpoints, tmp_path):
+    missing = "model.layers.1.mlp.up_proj.weight"
+    model = rewrite(checkpoints["tied"], tmp_path / "missing", lambda t: t.pop(missing))
+    log = start_fails(tmp_path, model)
+    assert "model.layers.1.mlp.gate_up_proj.weight is only partly provided by the checkpoint" in log
+    assert "model.layers.1.mlp.gate_proj.weight" in log  # what did arrive, so the gap is obvious
+    assert str(model) in log
+
+
+def test_wrong_shape(checkpoints, tmp_path):
+    name = "model.layers.0.self_attn.k_proj.weight"
+    model = rewrite(checkpoints["tied"], tmp_path / "shape",
+                    lambda t: t.__setitem__(name, torch.zeros(t[name].shape[0] + 8, t[name].shape[1],
+                                                              dtype=t[name].dtype)))
+    log = start_fails(tmp_path, model)
+    assert "CheckpointError" in log
+    assert f"tensor '{name}'" in log
+    assert str(model / "model.safetensors") in log
+
+
+def test_wrong_dtype(checkpoints, tmp_path):
+    name = "model.layers.1.input_layernorm.weight"
+    model = rewrite(checkpoints["tied"], tmp_path / "dtype",
+                    lambda t: t.__setitem__(name, torch.zeros(t[name].shape, dtype=torch.int32)))
+    log = start_fails(tmp_path, model)
+    assert "checkpoint dtype I32 does not match parameter" in log
+    assert f"tensor '{name}'" in log
+
+
+def test_failing_rank_does_not_leave_the_other_waiting(checkpoints, tmp_path):
+    log = start_fails(tmp_path, checkpoints["llama-gqa"], tp=2, extra={"on_layer_ready": "hooks:fail_on_rank_1"},
+                      timeout=300)
+    assert "injected failure on rank 1" in log
+
+
+# -- registration ---------------------------------------------------------------------------------
+
+def registered(env_plugins: str | None) -> bool:
+    code = ("from vllm.plugins import load_general_plugins; load_general_plugins(); "
+            "from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER as r; "
+            "import vllm_fastload.vllm_plugin as p; p.register(); p.register(); "  # idempotent
+            "print('REGISTERED' if r.get('fastload') is not None else 'ABSENT', r['fastload'].__name__)")
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
+    if env_plugins is not None:
+        env["VLLM_PLUGINS"] = env_plugins
+        code = code.replace("import vllm_fastload.vllm_plugin as p; p.register(); p.register(); ", "")
+        code = code.replace(", r['fastload'].__name__", "")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300,
+                         cwd=HERE)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return "REGISTERED" in out.stdout
+
+
+def test_entry_point_registers_and_respects_vllm_plugins():
+    assert registered(None)
+    assert registered("fastload")
+    assert not registered("lora_filesystem_resolver")
+
+
+def test_importing_the_package_does_not_import_vllm():
+    out = subprocess.run([sys.executable, "-c", "import sys, vllm_fastload; print('vllm' in sys.modules)"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False"

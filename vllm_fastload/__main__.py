@@ -1,0 +1,5 @@
+import sys
+
+from vllm_fastload.cli import main
+
+sys.exit(main())

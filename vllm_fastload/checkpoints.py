@@ -1,0 +1,172 @@
+"""Small random Hugging Face checkpoints (config.json + safetensors) for the demo, tests and benchmarks.
+
+The machines we test on have no internet, so every checkpoint we load is made here. Each
+architecture is a real transformers config that vLLM builds its real model class from.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    arch: str = "llama"              # llama | qwen2 | phi3 | mixtral | qwen2_moe
+    hidden: int = 128
+    intermediate: int = 256
+    layers: int = 2
+    heads: int = 4                   # head_dim = hidden / heads; CPU attention needs 32, 64, 80, ...
+    kv_heads: int = 2
+    vocab: int = 500                 # not a multiple of 64: exercises vocab padding at TP=2
+    tie_embeddings: bool = False
+    experts: int = 4
+    experts_per_token: int = 2
+    dtype: torch.dtype = torch.bfloat16
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+#: Named presets used by the README command, the tests and the benchmarks.
+PRESETS: dict[str, ModelSpec] = {
+    "tiny-llama": ModelSpec(),
+    "tiny-qwen2": ModelSpec(arch="qwen2"),
+    "tiny-tied": ModelSpec(arch="qwen2", tie_embeddings=True),
+    "tiny-phi3": ModelSpec(arch="phi3", kv_heads=4),
+    "tiny-mixtral": ModelSpec(arch="mixtral"),
+    "tiny-gqa1": ModelSpec(kv_heads=1),  # one kv head: replicated across ranks at TP=2
+    # TinyLlama's shapes with 16 layers: 1.67 GB in bf16 (the benchmark checkpoint).
+    "bench-llama": ModelSpec(hidden=2048, intermediate=5632, layers=16, heads=32, kv_heads=4, vocab=32000),
+}
+
+_ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "phi3": ("Phi3ForCausalLM", "phi3"),
+    "mixtral": ("MixtralForCausalLM", "mixtral"),
+}
+
+
+def hf_config(spec: ModelSpec) -> dict:
+    architecture, model_type = _ARCHITECTURES[spec.arch]
+    config = {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "hidden_size": spec.hidden,
+        "intermediate_size": spec.intermediate,
+        "num_hidden_layers": spec.layers,
+        "num_attention_heads": spec.heads,
+        "num_key_value_heads": spec.kv_heads,
+        "vocab_size": spec.vocab,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": spec.tie_embeddings,
+        "torch_dtype": str(spec.dtype).removeprefix("torch."),
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    if spec.arch == "mixtral":
+        config.update(num_local_experts=spec.experts, num_experts_per_tok=spec.experts_per_token)
+    if spec.arch == "phi3":
+        config.update(original_max_position_embeddings=512, rope_scaling=None, sliding_window=None)
+    return config
+
+
+def tensor_shapes(spec: ModelSpec) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """Checkpoint tensor names and shapes, in the order Hugging Face writes them."""
+    h, i, d = spec.hidden, spec.intermediate, spec.head_dim
+    q, kv = spec.heads * d, spec.kv_heads * d
+    yield "model.embed_tokens.weight", (spec.vocab, h)
+    for n in range(spec.layers):
+        p = f"model.layers.{n}"
+        yield f"{p}.input_layernorm.weight", (h,)
+        yield f"{p}.post_attention_layernorm.weight", (h,)
+        if spec.arch == "phi3":
+            yield f"{p}.self_attn.qkv_proj.weight", (q + 2 * kv, h)
+        else:
+            yield f"{p}.self_attn.q_proj.weight", (q, h)
+            yield f"{p}.self_attn.k_proj.weight", (kv, h)
+            yield f"{p}.self_attn.v_proj.weight", (kv, h)
+            if spec.arch == "qwen2":
+                yield f"{p}.self_attn.q_proj.bias", (q,)
+                yield f"{p}.self_attn.k_proj.bias", (kv,)
+                yield f"{p}.self_attn.v_proj.bias", (kv,)
+        yield f"{p}.self_attn.o_proj.weight", (h, q)
+        if spec.arch == "phi3":
+            yield f"{p}.mlp.gate_up_proj.weight", (2 * i, h)
+            yield f"{p}.mlp.down_proj.weight", (h, i)
+        elif spec.arch == "mixtral":
+            yield f"{p}.block_sparse_moe.gate.weight", (spec.experts, h)
+            for e in range(spec.experts):
+                yield f"{p}.block_sparse_moe.experts.{e}.w1.weight", (i, h)
+                yield f"{p}.block_sparse_moe.experts.{e}.w2.weight", (h, i)
+                yield f"{p}.block_sparse_moe.experts.{e}.w3.weight", (i, h)
+        else:
+            yield f"{p}.mlp.gate_proj.weight", (i, h)
+            yield f"{p}.mlp.up_proj.weight", (i, h)
+            yield f"{p}.mlp.down_proj.weight", (h, i)
+    yield "model.norm.weight", (h,)
+    if not spec.tie_embeddings:
+        yield "lm_head.weight", (spec.vocab, h)
+
+
+def _random(shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Generator, is_norm: bool) -> torch.Tensor:
+    if is_norm:
+        return (1.0 + 0.1 * torch.randn(shape, generator=generator)).to(dtype)
+    std = 1.0 / math.sqrt(shape[-1])
+    return (std * torch.randn(shape, generator=generator)).to(dtype)
+
+
+def write_checkpoint(directory: str | Path, spec: ModelSpec | str = "tiny-llama", *, files: int = 2,
+                     seed: int = 0, index: bool = True) -> Path:
+    """Write config.json and ``files`` safetensors shards (with an index unless ``index=False``).
+
+    Idempotent: an existing checkpoint written with the same arguments is left as it is.
+    """
+    spec = PRESETS[spec] if isinstance(spec, str) else spec
+    out = Path(directory)
+    stamp = out / ".fastload-checkpoint.json"
+    recipe = {"spec": {**spec.__dict__, "dtype": str(spec.dtype)}, "files": files, "seed": seed, "index": index}
+    if stamp.exists() and json.loads(stamp.read_text()) == recipe:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("*.safetensors*"):
+        old.unlink()
+    shapes = list(tensor_shapes(spec))
+    total = sum(math.prod(s) for _, s in shapes) * torch.finfo(spec.dtype).bits // 8
+    per_file = total / max(files, 1)
+    generator = torch.Generator().manual_seed(seed)
+    weight_map: dict[str, str] = {}
+    names = [f"model-{k + 1:05d}-of-{files:05d}.safetensors" if files > 1 else "model.safetensors"
+             for k in range(files)]
+    shard: dict[str, torch.Tensor] = {}
+    shard_bytes, k = 0, 0
+    for name, shape in shapes:
+        tensor = _random(shape, spec.dtype, generator, is_norm=name.endswith("norm.weight"))
+        if shard and shard_bytes + tensor.nbytes > per_file * 1.0001 and k < files - 1:
+            save_file(shard, out / names[k], metadata={"format": "pt"})
+            shard, shard_bytes, k = {}, 0, k + 1
+        shard[name] = tensor
+        shard_bytes += tensor.nbytes
+        weight_map[name] = names[k]
+    save_file(shard, out / names[k], metadata={"format": "pt"})
+    if index and files > 1:
+        (out / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    (out / "config.json").write_text(json.dumps(hf_config(spec), indent=2))
+    stamp.write_text(json.dumps(recipe))
+    return out
+
+
+def scaled(spec: ModelSpec | str, **changes) -> ModelSpec:
+    return replace(PRESETS[spec] if isinstance(spec, str) else spec, **changes)

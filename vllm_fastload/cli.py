@@ -1,0 +1,101 @@
+"""``vllm-fastload``: inspect plans, run the demo, make checkpoints, run benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from vllm_fastload.checkpoints import PRESETS
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import vllm_fastload
+    from vllm_fastload.tp_rules import rank_requests
+
+    overrides = {"progress": False}
+    if args.strided_min_skip is not None:
+        overrides["strided_min_skip"] = args.strided_min_skip
+    with vllm_fastload.open(args.model, config=vllm_fastload.FastloadConfig.from_env(**overrides)) as ckpt:
+        plan = ckpt.plan(rank_requests(ckpt.checkpoint, args.tp, args.rank))
+        print(f"plan for {args.model}, tp={args.tp} rank={args.rank} "
+              f"(name-based slicing; the vLLM loader uses the model's own specs)")
+        print(plan.summary())
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from vllm_fastload.demo import run_demo
+
+    return run_demo(args.model, tp=args.tp, serve=not args.no_serve)
+
+
+def _make_checkpoint(args: argparse.Namespace) -> int:
+    from vllm_fastload.checkpoints import write_checkpoint
+
+    path = write_checkpoint(args.directory, args.preset, files=args.files, seed=args.seed)
+    print(path)
+    return 0
+
+
+def _bench_core(args: argparse.Namespace) -> int:
+    from vllm_fastload.bench.core import main
+
+    return main(args)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from vllm_fastload.bench.vllm import main
+
+    return main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vllm-fastload", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plan", help="print what a rank would read: bytes per file and layer, amplification")
+    p.add_argument("model", help="checkpoint directory or .safetensors file")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--strided-min-skip", type=int, default=None,
+                   help="bytes skipped per row above which dim>0 slices are read row by row")
+    p.set_defaults(func=_plan)
+
+    p = sub.add_parser("demo", help="make a small checkpoint (unless given), load it, serve it with vLLM")
+    p.add_argument("--model", default=None)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--no-serve", action="store_true", help="only the engine-free load")
+    p.set_defaults(func=_demo)
+
+    p = sub.add_parser("make-checkpoint", help="write a random Hugging Face checkpoint")
+    p.add_argument("directory")
+    p.add_argument("--preset", default="tiny-llama", choices=sorted(PRESETS))
+    p.add_argument("--files", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_make_checkpoint)
+
+    p = sub.add_parser("bench-core", help="engine-free reader vs safetensors, warm and cold cache")
+    p.add_argument("--model", default=None, help="default: create the 1.67 GB bench-llama")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default="bench-results")
+    p.set_defaults(func=_bench_core)
+
+    p = sub.add_parser("bench", help="vLLM load_weights with fastload vs vLLM's loaders, in subprocesses")
+    p.add_argument("--model", default=None, help="default: create the 1.67 GB bench-llama")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--tp", default="1,2", help="comma-separated TP sizes")
+    p.add_argument("--loaders", default=None, help="comma-separated; default: all that run here")
+    p.add_argument("--cache", default="warm,cold", help="warm, cold or both")
+    p.add_argument("--out", default="bench-results")
+    p.add_argument("--time-limit", type=float, default=1800, help="stop starting new runs after this many seconds")
+    p.set_defaults(func=_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

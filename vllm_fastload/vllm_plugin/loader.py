@@ -1,0 +1,184 @@
+"""``FastloadModelLoader``: vLLM's ``--load-format fastload``.
+
+1. Probe: run the model's own ``load_weights`` on placeholders to learn, for this rank,
+   which region of which checkpoint tensor goes where (see ``probe``).
+2. Plan: each write that is "a narrow of one checkpoint tensor" becomes a sliced read straight
+   into the parameter's memory; other writes read the whole tensor and replay the write;
+   tensors the model never writes on this rank are not read at all.
+3. Read: one aggregated pass in layer order through the core reader, firing layer events.
+If the probe cannot describe the model's loading, every tensor is read in full and handed to
+``model.load_weights`` for real, the way vLLM's default loader does it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+from torch import nn
+from vllm.config import ModelConfig
+from vllm.config.load import LoadConfig
+from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+import vllm_fastload
+from vllm_fastload.config import FastloadConfig
+from vllm_fastload.errors import CheckpointError
+from vllm_fastload.tensors import CASTABLE, dtype_of, shape_of
+from vllm_fastload.vllm_plugin.probe import Placement, ProbeResult, probe_model
+
+# Under "vllm." so vLLM's own handlers and format apply.
+logger = logging.getLogger("vllm.fastload")
+
+
+def _rank() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+class FastloadModelLoader(BaseModelLoader):
+    """Loads safetensors checkpoints through vllm-fastload's per-rank plan and aggregated reader."""
+
+    def __init__(self, load_config: LoadConfig) -> None:
+        super().__init__(load_config)
+        # Env first, then --model-loader-extra-config on top; unknown keys stop start-up here.
+        self.config = FastloadConfig.from_env(**(load_config.model_loader_extra_config or {}))
+
+    # -- BaseModelLoader --------------------------------------------------------------------
+    def download_model(self, model_config: ModelConfig) -> None:
+        self._checkpoint_dir(model_config)
+
+    def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
+        start = time.perf_counter()
+        path = self._checkpoint_dir(model_config)
+        device = _model_device(model)
+        rank, world = _rank()
+        with vllm_fastload.FastCheckpoint(path, device=device, config=self.config,
+                                          show_progress=self.config.progress and rank == 0) as ckpt:
+            infos = {name: ckpt.info(name) for name in ckpt.keys()}
+            tensors = {name: (shape_of(info), dtype_of(info)) for name, info in infos.items()}
+            probe = probe_model(model, tensors)
+            if probe.unsupported:
+                logger.warning("fastload: reading every tensor in full through load_weights on rank %d: %s",
+                               rank, probe.unsupported[0])
+                loaded, summary = self._load_through_model(model, ckpt)
+            else:
+                _check_fully_written(probe, path)
+                loaded, summary = self._load_direct(ckpt, probe)
+            stats = ckpt.last_stats
+            backend = ckpt.reader.name
+        elapsed = time.perf_counter() - start
+        nbytes = stats.bytes_read if stats else 0
+        logger.info("fastload rank %d/%d: read %.1f MB of %.1f MB checkpoint (%.3f) with backend %s in %.2f s "
+                    "(%.2f GB/s); %s", rank, world, nbytes / 1e6, ckpt.checkpoint.total_bytes / 1e6,
+                    nbytes / max(ckpt.checkpoint.total_bytes, 1), backend,
+                    elapsed, nbytes / max(elapsed, 1e-9) / 1e9, summary)
+        self._check_complete(model, model_config, loaded, path)
+
+    # -- the two ways of loading ------------------------------------------------------------
+    def _load_direct(self, ckpt: vllm_fastload.FastCheckpoint, probe: ProbeResult) -> tuple[set[str] | None, str]:
+        targets: dict = {}
+        replays: dict[str, list[Placement]] = {}
+        sliced = whole = replayed = 0
+        for name, placements in probe.placements.items():
+            info = ckpt.info(name)
+            native = dtype_of(info)
+            requests = []
+            for i, p in enumerate(placements):
+                _check_dtype(info, native, p)
+                req = p.request(shape_of(info), key=f"{name}#{i}")
+                if req is None or (p.dest.dtype != native and not (p.dest.dtype in CASTABLE and native in CASTABLE)):
+                    requests = None
+                    break
+                requests.append((req, p.dest))
+            if requests is None:
+                replays[name] = placements
+                replayed += 1
+                continue
+            for req, dest in requests:
+                targets[req] = dest
+                if req.dim is None:
+                    whole += 1
+                else:
+                    sliced += 1
+
+        def replay(key: str, tensor: torch.Tensor) -> None:
+            for p in replays[key]:
+                p.replay(tensor)
+
+        ckpt.read_into(targets, extra=list(replays), on_tensor=replay)
+        skipped = len(ckpt.keys()) - len(probe.placements)
+        summary = (f"{whole} whole and {sliced} sliced reads into parameters, {replayed} tensors read whole "
+                   f"and copied by vLLM's recorded slicing, {skipped} checkpoint tensors not needed on this rank")
+        return probe.loaded_params, summary
+
+    def _load_through_model(self, model: nn.Module, ckpt: vllm_fastload.FastCheckpoint) -> tuple[set[str] | None, str]:
+        current: list[str] = []
+
+        def weights():
+            for name, tensor in ckpt.iter_tensors():
+                current[:] = [name]
+                yield name, tensor
+
+        try:
+            loaded = model.load_weights(weights())
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            name = current[0] if current else None
+            file = ckpt.info(name).file if name else ckpt.checkpoint.source
+            raise CheckpointError(f"vLLM could not load this checkpoint tensor into the model: "
+                                  f"{type(exc).__name__}: {exc}", file=file, tensor=name) from exc
+        return (set(loaded) if loaded is not None else None), "all tensors read whole through load_weights"
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _checkpoint_dir(self, model_config: ModelConfig) -> str:
+        model = model_config.model
+        if os.path.isdir(model) or os.path.isfile(model):
+            return model
+        from vllm.model_executor.model_loader.weight_utils import download_weights_from_hf
+
+        return download_weights_from_hf(model, self.load_config.download_dir,
+                                        ["*.safetensors", "*.safetensors.index.json"], model_config.revision)
+
+    def _check_complete(self, model: nn.Module, model_config: ModelConfig, loaded: set[str] | None,
+                        path: str) -> None:
+        """The default loader's strict check: every parameter must come from the checkpoint."""
+        if loaded is None or model_config.quantization is not None:
+            return
+        from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+        try:
+            DefaultModelLoader.track_weights_loading(self, model, set(loaded), quantized=False)
+        except ValueError as exc:
+            raise CheckpointError(f"checkpoint does not provide every parameter of the model: {exc}",
+                                  file=path) from None
+
+
+def _check_fully_written(probe: ProbeResult, path: str) -> None:
+    """Stricter than vLLM's name-level check: a stacked parameter (qkv, gate_up) must get every shard."""
+    partial = probe.partly_written()
+    if partial:
+        param, sources = next(iter(partial.items()))
+        raise CheckpointError(
+            f"parameter {param} is only partly provided by the checkpoint (it receives {', '.join(sources)}; "
+            f"{len(partial)} parameters are incomplete: {', '.join(list(partial)[:5])}); a tensor is missing",
+            file=path)
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        if not p.is_meta:
+            return p.device
+    return torch.device("cpu")
+
+
+def _check_dtype(info, native: torch.dtype, p: Placement) -> None:
+    """Refuse what would be silently wrong: e.g. integer or fp8 data into a bf16 parameter."""
+    target = p.dest.dtype
+    if target == native or (target in CASTABLE and native in CASTABLE):
+        return
+    raise CheckpointError(f"checkpoint dtype {info.dtype} does not match parameter {p.parameter} "
+                          f"({str(target).removeprefix('torch.')})", file=info.file, tensor=info.name)

@@ -1,0 +1,227 @@
+"""Learn where every checkpoint byte goes by running the model's own ``load_weights`` on placeholders.
+
+We feed ``model.load_weights`` a meta-device placeholder (right name, shape and dtype, no
+data) for every checkpoint tensor, under a ``TorchFunctionMode`` that intercepts the writes
+into parameters. A meta view keeps its storage offset and strides, so each intercepted
+``copy_`` says exactly which region of which checkpoint tensor lands in which region of which
+parameter on *this* rank: vLLM's own code did the renaming, stacking, TP/PP/EP slicing,
+kv-head replication and vocab padding, and we re-implemented none of it.
+
+Anything the probe cannot describe as "copy a view of one checkpoint tensor into a view of a
+parameter" (arithmetic on weights, ``param.data = ...``, a loader that looks at values, meta
+tensors left behind) makes ``ProbeResult.unsupported`` non-empty; the loader then reads every
+tensor in full and calls ``load_weights`` for real, exactly like vLLM's default loader.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from vllm_fastload.plan import TensorRequest
+
+
+@dataclass
+class Placement:
+    """One write the model's loader made: a view of checkpoint tensor ``source`` into ``dest``."""
+
+    source: str
+    dest: torch.Tensor              # a real view into parameter (or buffer) memory
+    parameter: str
+    src_shape: tuple[int, ...]
+    src_stride: tuple[int, ...]
+    src_offset: int                 # in elements, from the start of the checkpoint tensor
+
+    def request(self, tensor_shape: tuple[int, ...], key: str) -> TensorRequest | None:
+        """The byte-range request this write needs, when it is the whole tensor or one narrow."""
+        shape, stride, offset = self.src_shape, self.src_stride, self.src_offset
+        full = _contiguous_strides(tensor_shape)
+        if tuple(self.dest.shape) != shape:
+            return None  # broadcasting copy: leave it to the replay path
+        if shape == tensor_shape and offset == 0 and _same_strides(shape, stride, full):
+            return TensorRequest(self.source, key=key)
+        if len(shape) != len(tensor_shape) or not _same_strides(shape, stride, full):
+            return None
+        differing = [d for d in range(len(shape)) if shape[d] != tensor_shape[d]]
+        if len(differing) != 1:
+            return None
+        d = differing[0]
+        if full[d] == 0 or offset % full[d]:
+            return None
+        start = offset // full[d]
+        if start + shape[d] > tensor_shape[d]:
+            return None
+        return TensorRequest(self.source, dim=d, start=start, length=shape[d], key=key)
+
+    def replay(self, tensor: torch.Tensor) -> None:
+        """Perform this write from the real checkpoint tensor (contiguous, as read)."""
+        src = tensor.as_strided(self.src_shape, self.src_stride, tensor.storage_offset() + self.src_offset)
+        self.dest.copy_(src)
+
+
+@dataclass
+class ProbeResult:
+    placements: dict[str, list[Placement]] = field(default_factory=dict)
+    loaded_params: set[str] | None = None
+    unsupported: list[str] = field(default_factory=list)
+    #: parameter -> elements written (copies and fills); writes never overlap (checked).
+    covered: dict[str, int] = field(default_factory=dict)
+    numel: dict[str, int] = field(default_factory=dict)
+
+    def partly_written(self) -> dict[str, list[str]]:
+        """Parameters the checkpoint fills only in part -> the checkpoint tensors that did reach them."""
+        sources: dict[str, list[str]] = {}
+        for name, placements in self.placements.items():
+            for p in placements:
+                sources.setdefault(p.parameter, []).append(name)
+        return {param: sorted(set(sources.get(param, [])))
+                for param, n in self.covered.items() if n < self.numel.get(param, n)}
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
+
+
+def _same_strides(shape: tuple[int, ...], stride: tuple[int, ...], full: tuple[int, ...]) -> bool:
+    # Strides of size-1 dims carry no meaning.
+    return all(s == f or n == 1 for n, s, f in zip(shape, stride, full))
+
+
+class _MemoryIndex:
+    """Which named parameter or buffer a real tensor's memory belongs to."""
+
+    def __init__(self, model: nn.Module) -> None:
+        spans = []
+        seen = set()
+        self.numel: dict[str, int] = {}
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if t.is_meta or t.numel() == 0 or t.data_ptr() in seen:
+                continue
+            seen.add(t.data_ptr())
+            self.numel[name] = t.numel()
+            spans.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name))
+        spans.sort()
+        self._starts = [s[0] for s in spans]
+        self._spans = spans
+
+    def owner(self, t: torch.Tensor) -> str | None:
+        if t.is_meta or t.numel() == 0:
+            return None
+        ptr = t.data_ptr()
+        i = bisect.bisect_right(self._starts, ptr) - 1
+        if i >= 0 and ptr < self._spans[i][1]:
+            return self._spans[i][2]
+        return None
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    extent = sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1 if t.numel() else 0
+    return t.data_ptr(), t.data_ptr() + extent * t.element_size()
+
+
+class _Recorder(TorchFunctionMode):
+    def __init__(self, placeholders: Mapping[int, str], memory: _MemoryIndex, result: ProbeResult) -> None:
+        super().__init__()
+        self.placeholders = placeholders  # meta storage id -> checkpoint name
+        self.memory = memory
+        self.result = result
+        self.written: dict[str, list[tuple[int, int]]] = {}
+
+    def _source(self, t: torch.Tensor) -> str | None:
+        return self.placeholders.get(t.untyped_storage()._cdata)
+
+    def _record(self, dest: torch.Tensor, src: torch.Tensor) -> None:
+        name = self._source(src)
+        owner = self.memory.owner(dest)
+        if name is None:
+            self.result.unsupported.append(
+                f"a tensor computed from checkpoint data (not a view of one tensor) is copied into "
+                f"{owner or 'a non-parameter tensor'}")
+            return
+        if owner is None:
+            self.result.unsupported.append(f"{name} is copied into a tensor that is not a model parameter")
+            return
+        span = _span(dest)
+        for lo, hi in self.written.get(owner, []):
+            if span[0] < hi and lo < span[1]:
+                self.result.unsupported.append(f"{owner} is written twice in overlapping regions (last: {name})")
+                return
+        self.written.setdefault(owner, []).append(span)
+        self.result.covered[owner] = self.result.covered.get(owner, 0) + dest.numel()
+        self.result.placements.setdefault(name, []).append(Placement(
+            name, dest, owner, tuple(src.shape), tuple(src.stride()), src.storage_offset()))
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.copy_ and args[1].is_meta and not args[0].is_meta:
+            self._record(args[0], args[1])
+            return args[0]
+        if func is torch.Tensor.__setitem__ and isinstance(args[2], torch.Tensor) and args[2].is_meta \
+                and not args[0].is_meta:
+            self._record(args[0][args[1]], args[2])
+            return None
+        name = getattr(func, "__name__", "")
+        if name == "__set__" and any(isinstance(a, torch.Tensor) and a.is_meta for a in args[1:]):
+            self.result.unsupported.append("a weight loader replaces a parameter's .data")
+            return None
+        if name.endswith("_") and not name.startswith("__") and args and isinstance(args[0], torch.Tensor) \
+                and not args[0].is_meta and self.memory.owner(args[0]) is not None:
+            if any(isinstance(a, torch.Tensor) and a.is_meta for a in args[1:]):
+                self.result.unsupported.append(f"in-place {name} on {self.memory.owner(args[0])} uses checkpoint data")
+                return args[0]
+            if name in ("fill_", "zero_"):
+                self._check_fill(args[0])
+        return func(*args, **kwargs)
+
+    def _check_fill(self, dest: torch.Tensor) -> None:
+        owner = self.memory.owner(dest)
+        span = _span(dest)
+        for lo, hi in self.written.get(owner, []):
+            if span[0] < hi and lo < span[1]:
+                self.result.unsupported.append(f"{owner} is filled after checkpoint data was copied into it")
+                return
+        self.written.setdefault(owner, []).append(span)
+        self.result.covered[owner] = self.result.covered.get(owner, 0) + dest.numel()
+
+
+def probe_model(model: nn.Module, tensors: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> ProbeResult:
+    """Run ``model.load_weights`` over placeholders for ``tensors`` (name -> (shape, dtype))."""
+    result = ProbeResult()
+    placeholders: dict[int, str] = {}
+    memory = _MemoryIndex(model)
+
+    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, (shape, dtype) in tensors.items():
+            ph = torch.empty(shape, dtype=dtype, device="meta")
+            placeholders[ph.untyped_storage()._cdata] = name
+            yield name, ph
+
+    recorder = _Recorder(placeholders, memory, result)
+    meta_before = set(_meta_tensors_in(model))
+    try:
+        with recorder:
+            loaded = model.load_weights(weights())
+    except Exception as exc:
+        result.unsupported.append(f"load_weights cannot run on placeholders: {type(exc).__name__}: {exc}")
+        return result
+    result.loaded_params = set(loaded) if loaded is not None else None
+    result.numel = memory.numel
+    leftovers = [n for n in _meta_tensors_in(model) if n not in meta_before]
+    if leftovers:
+        result.unsupported.append(f"placeholders were kept by the model: {', '.join(leftovers[:5])}")
+    return result
+
+
+def _meta_tensors_in(model: nn.Module) -> list[str]:
+    found = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    for mod_name, module in model.named_modules():
+        for attr, value in vars(module).items():
+            if isinstance(value, torch.Tensor) and value.is_meta:
+                found.append(f"{mod_name}.{attr}")
+    return found
