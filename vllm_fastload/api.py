@@ -149,13 +149,16 @@ class FastCheckpoint:
         planned = plan_tensor(self.checkpoint.info(request.name), request, self.strided_min_skip)
         native = torch_dtype(planned)
         out = torch.empty(torch_shape(planned), dtype=native, device=self.device)
-        if planned.strategy == "enclosing":
-            self.read_into({request: out})
-        elif planned.read_bytes:
+        if planned.read_bytes:
+            # Enclosing rows go through a read buffer and are narrowed into ``out``; everything
+            # else lands in ``out`` directly. Either way quietly: no bar, no layer events.
+            enclosing = planned.strategy == "enclosing"
             plan = build_plan(self.checkpoint, [request], aggregate_size=int(self.config.aggregate_size),
-                              strided_min_skip=self.strided_min_skip, dests={request.result_key: out})
-            for _ in self._execute(plan, quiet=True):
-                pass
+                              strided_min_skip=self.strided_min_skip,
+                              dests=None if enclosing else {request.result_key: out})
+            for _, tensor in self._execute(plan, quiet=True):
+                if enclosing:
+                    out.copy_(tensor)
         return cast(out, dtype)
 
     def _check_destination(self, planned, dest: torch.Tensor) -> None:

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, fi
 
 ENV_PREFIX = "FASTLOAD_"
 #: Variables with our prefix that are switches, not config fields.
-_NON_CONFIG_ENV = {"FASTLOAD_TGI"}
+_NON_CONFIG_ENV = {"FASTLOAD_TGI", "FASTLOAD_BENCH_DIR", "FASTLOAD_TEST_EVENTS"}
 
 LayerCallback = Callable[..., Any]
 

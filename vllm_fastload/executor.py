@@ -45,13 +45,30 @@ class LoadStats:
     oversize_tensors: int = 0
 
 
+def _after_consumer_work(chunk: Chunk, buf: Buffer | None) -> None:
+    """Let GPU work the caller queued finish before device memory is (re)filled.
+
+    The cuda reader writes from its own stream and kvikio by DMA, neither ordered after the
+    caller's stream. A view the caller dropped may still be read by work it queued there
+    (``param.copy_(view)`` returns before the copy runs), a freshly allocated buffer may be a
+    block the caching allocator recycled from such a view, and a ``read_into`` destination may
+    still have queued writes. Host memory needs nothing.
+    """
+    target = buf.tensor if buf is not None else next((t.dest for t, _ in chunk.tensors), None)
+    if isinstance(target, torch.Tensor) and target.is_cuda:
+        torch.cuda.current_stream(target.device).synchronize()
+
+
 class PlanExecutor:
     def __init__(self, checkpoint: Checkpoint, reader: Reader, pool: BufferPool, config: FastloadConfig) -> None:
         self.checkpoint = checkpoint
         self.reader = reader
         self.pool = pool
         self.config = config
-        self.max_in_flight = 2 * config.threads + 2
+        # Reads in flight beyond the one being consumed. Each needs its own buffer, and a new
+        # buffer is fresh memory (the slowest thing to fill on our VMs), while two chunks ahead
+        # already keep every thread busy: each chunk is split into read_size pieces.
+        self.max_in_flight = 3
         self.stats = LoadStats()
 
     def run(self, plan: Plan, progress: LoadProgress | None = None) -> Iterator[tuple[PlannedTensor, torch.Tensor]]:
@@ -76,6 +93,7 @@ class PlanExecutor:
                         if in_flight:
                             return  # wait for a buffer to come back
                         buf = self._oversize(chunk)
+                _after_consumer_work(chunk, buf)
                 in_flight.append(_InFlight(chunk, buf, self._submit(chunk, buf)))
                 next_index += 1
 

@@ -357,7 +357,11 @@ class Checkpoint:
         sf = self.files.get(path)
         if sf is None:
             sf = read_safetensors_file(path)
-            self.add_file(sf)
+            try:
+                self.add_file(sf)
+            except BaseException:
+                sf.close()  # rejected (e.g. a tensor already in another file): keep no descriptor
+                raise
         return sf
 
     def info(self, name: str) -> TensorInfo:

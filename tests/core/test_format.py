@@ -24,7 +24,7 @@ from vllm_fastload.errors import (
     TensorNotFoundError,
     TruncatedFileError,
 )
-from vllm_fastload.format import MAX_HEADER_BYTES, Checkpoint, read_safetensors_file
+from vllm_fastload.format import MAX_HEADER_BYTES, read_safetensors_file
 
 from ._util import (
     ALL_DTYPES,
@@ -373,7 +373,8 @@ def test_same_tensor_in_two_files(tmp_path: Path, index: bool):
     root = tmp_path / "ck"
     two_shards(root, index=index)
     # Shard 2 also holds shard 1's tensor.
-    save(root / "model-00002-of-00002.safetensors", {"model.layers.1.w": torch.ones(2), "model.embed.weight": torch.ones(6)})
+    save(root / "model-00002-of-00002.safetensors",
+         {"model.layers.1.w": torch.ones(2), "model.embed.weight": torch.ones(6)})
     if index:
         weight_map = {"model.layers.0.w": "model-00001-of-00002.safetensors",
                       "model.embed.weight": "model-00001-of-00002.safetensors",
@@ -527,3 +528,21 @@ def test_truncation_after_open(tmp_path: Path, check: bool):
         check_error(info.value, type(info.value), path)
         if isinstance(info.value, ReadError):
             assert "offset" in str(info.value)
+
+
+def test_adding_a_file_after_open(tmp_path: Path):
+    """TGI adds files (speculator heads) to an open checkpoint's routing table."""
+    root = tmp_path / "ck"
+    tensors = two_shards(root)
+    extra = save(tmp_path / "medusa.safetensors", {"medusa.0.weight": torch.arange(4.0)})
+    clash = save(tmp_path / "clash.safetensors", {"lm_head.weight": torch.zeros(3, 2)})
+    with open_ckpt(root) as ckpt:
+        sf = ckpt.checkpoint.file_for(extra)
+        assert ckpt.checkpoint.file_for(str(extra)) is sf
+        assert_bitexact(ckpt.get_tensor("medusa.0.weight"), torch.arange(4.0))
+        before = open_fds()
+        with pytest.raises(IndexMismatchError) as info:
+            ckpt.checkpoint.file_for(clash)
+        check_error(info.value, IndexMismatchError, clash, "lm_head.weight")
+        assert open_fds() == before
+        assert_bitexact(ckpt.get_tensor("lm_head.weight"), tensors["lm_head.weight"])

@@ -134,7 +134,7 @@ def test_views_kept_across_separate_loads(ckpt_dir):
             assert_bitexact(view, tensors[key], key)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(keep=st.lists(st.booleans(), min_size=2 * N_LAYERS + 2, max_size=2 * N_LAYERS + 2),
        threads=st.sampled_from([1, 2, 4]), slices=st.booleans())
 def test_random_keep_patterns(keep: list[bool], threads: int, slices: bool):
@@ -400,3 +400,22 @@ def test_pool_small_budget_rounds_to_pages_not_granules():
     assert all(b is not None and b.capacity == 8192 for b in bufs)
     assert pool.try_acquire(1) is None
     assert pool.held == pool.peak == 64 << 10
+
+
+def test_close_during_iteration_fails_cleanly(ckpt_dir):
+    """Closing the checkpoint under a running iterator: reads in flight finish first, and the
+    iterator then fails with a CheckpointError instead of reading from closed descriptors."""
+    from vllm_fastload.errors import CheckpointError
+
+    root, tensors = ckpt_dir
+    ckpt = open_ckpt(root, dict(TINY, threads=4))
+    futures = track_reads(ckpt)
+    it = ckpt.iter_tensors()
+    key, view = next(it)
+    ckpt.close()
+    assert all(f.done() for f in futures)
+    with pytest.raises(CheckpointError) as info:
+        for _ in it:
+            pass
+    assert str(root) in str(info.value)
+    assert_bitexact(view, tensors[key], key)

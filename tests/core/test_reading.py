@@ -26,7 +26,7 @@ from ._util import (
     save,
 )
 
-PROPERTY_SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+PROPERTY_SETTINGS = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 # -- strategies --------------------------------------------------------------------------------
 
@@ -107,7 +107,7 @@ def normalize(req: TensorRequest, shape: tuple[int, ...]) -> tuple[int, int, int
     return dim, req.start, length
 
 
-def expected(req: TensorRequest, originals: dict[str, torch.Tensor], root: Path, path_of: dict[str, str]) -> torch.Tensor:
+def expected(req: TensorRequest, originals: dict[str, torch.Tensor], path_of: dict[str, str]) -> torch.Tensor:
     full = originals[req.name]
     norm = normalize(req, tuple(full.shape))
     want = full if norm is None else full.narrow(*norm)
@@ -123,26 +123,27 @@ def expected(req: TensorRequest, originals: dict[str, torch.Tensor], root: Path,
     return want
 
 
-def make_dest(shape: tuple[int, ...], dtype: torch.dtype, kind: str) -> torch.Tensor:
+def make_dest(shape: tuple[int, ...], dtype: torch.dtype, kind: str, device: str = "cpu") -> torch.Tensor:
     if kind == "strided" and shape:
-        wide = torch.zeros(shape[:-1] + (shape[-1] * 2 + 1,), dtype=dtype)
+        wide = torch.zeros(shape[:-1] + (shape[-1] * 2 + 1,), dtype=dtype, device=device)
         return wide[..., 1:shape[-1] + 1]
-    return torch.zeros(shape, dtype=dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
-def check_case(case: Case, config: dict) -> None:
+def check_case(case: Case, config: dict, device: str = "cpu") -> None:
+    """Every request through get_slice, iter_tensors and read_into equals the oracle, bit for bit."""
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         originals = write_case(root, case)
-        with open_ckpt(root, config) as ckpt:
+        with open_ckpt(root, config, device) as ckpt:
             path_of = {name: ckpt.info(name).file for name in originals}
-            wants = {r.result_key: expected(r, originals, root, path_of) for r in case.requests}
+            wants = {r.result_key: expected(r, originals, path_of) for r in case.requests}
 
             # get_slice / get_tensor: owned, contiguous.
             for r in case.requests:
                 got = (ckpt.get_tensor(r.name) if r.dim is None
                        else ckpt.get_slice(r.name, r.dim, r.start, r.length))
-                assert got.is_contiguous()
+                assert got.is_contiguous() and got.device.type == torch.device(device).type
                 assert_bitexact(got, wants[r.result_key], f"get_slice {r}")
 
             # iter_tensors: every key once, right values (views compared before any copy).
@@ -161,7 +162,7 @@ def check_case(case: Case, config: dict) -> None:
             dests = {}
             for r, kind in zip(case.requests, case.dest_kind):
                 want = wants[r.result_key]
-                dests[r] = make_dest(tuple(want.shape), want.dtype, kind)
+                dests[r] = make_dest(tuple(want.shape), want.dtype, kind, device)
             stats = ckpt.read_into(dests)
             assert stats.tensors == len(dests)
             for r, dest in dests.items():
@@ -237,7 +238,7 @@ def test_multi_file_checkpoint_matches_safe_open(tmp_path: Path):
     assert len(got) == len(ckpt.keys())
     for file in files:
         with safe_open(file, "pt") as f:
-            for name in f.keys():  # noqa: SIM118  (safe_open has no __iter__)
+            for name in f.keys():
                 assert_bitexact(got[name], f.get_tensor(name), name)
 
 
@@ -304,7 +305,7 @@ def test_read_into_uncastable_dtype(mixed, name: str, dtype: torch.dtype):
 
 
 def test_read_into_shape_mismatch(mixed):
-    root, tensors = mixed
+    root, _ = mixed
     with open_ckpt(root) as ckpt:
         for req, shape in [("model.layers.0.bf16", (10, 12)), ("model.layers.0.f32", (9, 1)),
                            (TensorRequest("model.layers.0.bf16", 0, 0, 6, key="half"), (12, 10))]:
@@ -387,7 +388,7 @@ def test_enclosing_views_are_strided_but_exact(fused):
     with open_ckpt(root, {"strided_min_skip": 1 << 40}) as ckpt:
         plan = ckpt.plan([TensorRequest(name, 1, 8, 16)])
         assert plan.tensors[0].strategy == "enclosing"
-        ((key, view),) = list((k, v.clone()) for k, v in ckpt.iter_tensors([TensorRequest(name, 1, 8, 16)]))
+        ((_, view),) = [(k, v.clone()) for k, v in ckpt.iter_tensors([TensorRequest(name, 1, 8, 16)])]
         assert_bitexact(view, w[:, 8:24])
         owned = ckpt.get_slice(name, 1, 8, 16)
         assert owned.is_contiguous()

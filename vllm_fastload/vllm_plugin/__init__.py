@@ -7,6 +7,8 @@ idempotent and must not fail loudly: vLLM logs and swallows plugin errors, after
 
 from __future__ import annotations
 
+import os
+
 LOAD_FORMAT = "fastload"
 
 
@@ -15,12 +17,16 @@ def register() -> None:
     from vllm.model_executor import model_loader
 
     registry = getattr(model_loader, "_LOAD_FORMAT_TO_MODEL_LOADER", {})
-    if LOAD_FORMAT in registry:
-        return
-    from vllm_fastload.vllm_plugin.loader import FastloadModelLoader
+    if LOAD_FORMAT not in registry:
+        from vllm_fastload.vllm_plugin.loader import FastloadModelLoader
 
-    model_loader.register_model_loader(LOAD_FORMAT)(FastloadModelLoader)
-    _route_core_logs_to_vllm()
+        model_loader.register_model_loader(LOAD_FORMAT)(FastloadModelLoader)
+        _route_core_logs_to_vllm()
+    bench_dir = os.environ.get("FASTLOAD_BENCH_DIR")
+    if bench_dir:  # `vllm-fastload bench` measures load_weights inside each worker
+        from vllm_fastload.bench.worker_hooks import install
+
+        install(bench_dir)
 
 
 def _route_core_logs_to_vllm() -> None:

@@ -25,6 +25,7 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 import vllm_fastload
 from vllm_fastload.config import FastloadConfig
 from vllm_fastload.errors import CheckpointError
+from vllm_fastload.readers.host import advise_hugepages
 from vllm_fastload.tensors import CASTABLE, dtype_of, shape_of
 from vllm_fastload.vllm_plugin.probe import Placement, ProbeResult, probe_model
 
@@ -103,6 +104,9 @@ class FastloadModelLoader(BaseModelLoader):
                     whole += 1
                 else:
                     sliced += 1
+
+        if ckpt.device.type == "cpu" and self.config.hugepages:
+            advise_hugepages(t for t in targets.values())  # parameters are fresh memory: fill it fast
 
         def replay(key: str, tensor: torch.Tensor) -> None:
             for p in replays[key]:

@@ -1,0 +1,181 @@
+"""``vllm-fastload bench``: vLLM's ``load_weights`` with fastload vs vLLM's own loaders, one run.
+
+Each measurement is a fresh vLLM start in a subprocess (``bench/start_vllm.py``); inside
+each worker ``worker_hooks`` records ``load_weights`` seconds, bytes read and RSS per rank.
+Loaders are interleaved within every repetition; the cold-cache rows evict the checkpoint
+from the page cache before every start. ``zerofill`` (reads nothing, writes zeros into every
+parameter) is the floor: the cost of touching fresh parameter memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from vllm_fastload.bench.core import evict
+from vllm_fastload.checkpoints import write_checkpoint
+from vllm_fastload.server import vllm_env
+
+#: name -> (load format, extra config)
+LOADERS: dict[str, tuple[str, dict | None]] = {
+    "fastload": ("fastload", None),
+    "safetensors": ("safetensors", None),
+    "safetensors-mt": ("safetensors", {"enable_multithread_load": True, "num_threads": 8}),
+    "runai_streamer": ("runai_streamer", None),
+    "zerofill (floor)": ("zerofill", None),
+    "fastsafetensors": ("fastsafetensors", None),
+    "instanttensor": ("instanttensor", None),
+}
+CUDA_ONLY = {"fastsafetensors", "instanttensor"}
+NEEDS = {"runai_streamer": "runai_model_streamer", "fastsafetensors": "fastsafetensors",
+         "instanttensor": "instanttensor"}
+
+
+def available_loaders() -> tuple[list[str], dict[str, str]]:
+    import torch
+
+    names, skipped = [], {}
+    for name in LOADERS:
+        if name in CUDA_ONLY and not torch.cuda.is_available():
+            skipped[name] = "needs CUDA"
+        elif name in NEEDS and importlib.util.find_spec(NEEDS[name]) is None:
+            skipped[name] = f"package {NEEDS[name]} not installed"
+        else:
+            names.append(name)
+    return names, skipped
+
+
+def run_once(model: str, loader: str, tp: int, work: Path) -> dict:
+    load_format, extra = LOADERS[loader]
+    probe_dir = Path(tempfile.mkdtemp(dir=work))
+    cmd = [sys.executable, "-m", "vllm_fastload.bench.start_vllm", model, load_format, str(tp),
+           json.dumps(extra) if extra else ""]
+    env = vllm_env(tp, FASTLOAD_BENCH_DIR=str(probe_dir), FASTLOAD_PROGRESS="false")
+    log = probe_dir / "vllm.log"
+    with log.open("wb") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=900)
+    ranks = [json.loads(p.read_text()) for p in sorted(probe_dir.glob("rank*.json"))]
+    if proc.returncode != 0 or len(ranks) != tp:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+        return {"error": f"exit {proc.returncode}, {len(ranks)} rank records; log tail:\n{tail}"}
+    return {"ranks": ranks}
+
+
+def main(args: argparse.Namespace) -> int:
+    model = args.model or str(write_checkpoint(".fastload/bench-llama", "bench-llama", files=4))
+    files = sorted(str(p) for p in Path(model).glob("*.safetensors"))
+    total = sum(Path(f).stat().st_size for f in files)
+    names, skipped = available_loaders()
+    if args.loaders:
+        wanted = args.loaders.split(",")
+        names = [n for n in names if n in wanted or n.split(" ")[0] in wanted]
+    tps = [int(t) for t in args.tp.split(",")]
+    caches = args.cache.split(",")
+    print(f"checkpoint {model}: {total / 1e9:.2f} GB; loaders {names}; skipped {skipped}")
+    work = Path(args.out) / "vllm-runs"
+    work.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + args.time_limit
+    results: dict[str, list[dict]] = {}
+    stopped_early = False
+    for tp in tps:
+        for cache in caches:
+            for rep in range(args.repeats):
+                for name in names:
+                    if time.monotonic() > deadline:
+                        stopped_early = True
+                        break
+                    if name.startswith("zerofill") and cache == "cold":
+                        continue  # reads nothing: the page cache does not matter
+                    if cache == "cold":
+                        evict(files)
+                    res = run_once(model, name, tp, work)
+                    results.setdefault(f"tp{tp}|{cache}|{name}", []).append(res)
+                    if "error" in res:
+                        print(f"  tp={tp} {cache} rep {rep + 1} {name}: FAILED {res['error']}", flush=True)
+                    else:
+                        secs = [r["seconds"] for r in res["ranks"]]
+                        print(f"  tp={tp} {cache:<4} rep {rep + 1} {name:<17} load_weights per rank "
+                              f"{', '.join(f'{s:.2f}' for s in secs)} s", flush=True)
+    rows = summarize(results, total)
+    print_table(rows)
+    out = Path(args.out)
+    (out / "bench-vllm.json").write_text(json.dumps({"checkpoint_bytes": total, "rows": rows, "raw": results,
+                                                      "skipped": skipped, "stopped_early": stopped_early},
+                                                     indent=2))
+    chart(rows, out / "bench-vllm.png")
+    print(f"wrote {out / 'bench-vllm.json'} and {out / 'bench-vllm.png'}"
+          + (" (time limit reached: some runs skipped)" if stopped_early else ""))
+    return 0
+
+
+def summarize(results: dict[str, list[dict]], total: int) -> list[dict]:
+    rows = []
+    for key, runs in results.items():
+        tp, cache, name = key.split("|")
+        ok = [r for r in runs if "error" not in r]
+        if not ok:
+            rows.append({"tp": tp, "cache": cache, "loader": name, "error": runs[0]["error"][:200]})
+            continue
+        per_rank_max = [max(r["seconds"] for r in run["ranks"]) for run in ok]
+        rows.append({
+            "tp": tp, "cache": cache, "loader": name, "runs": len(ok),
+            "seconds_median": statistics.median(per_rank_max), "seconds_min": min(per_rank_max),
+            "rchar_per_rank": max(r["rchar"] for run in ok for r in run["ranks"]),
+            "disk_read_per_rank": max(r["read_bytes"] for run in ok for r in run["ranks"]),
+            "peak_rss_mb": max(r["hwm_after_kb"] for run in ok for r in run["ranks"]) / 1024,
+            "checkpoint_bytes": total,
+        })
+    for row in rows:
+        base = next((r for r in rows if r["tp"] == row["tp"] and r["cache"] == row["cache"]
+                     and r["loader"] == "safetensors" and "error" not in r), None)
+        floor = next((r for r in rows if r["tp"] == row["tp"] and r["loader"].startswith("zerofill")
+                      and "error" not in r), None)
+        if "error" not in row:
+            row["vs_safetensors"] = row["seconds_median"] / base["seconds_median"] if base else None
+            row["vs_floor"] = row["seconds_median"] / floor["seconds_median"] if floor else None
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"\n{'tp':<4}{'cache':<6}{'loader':<18}{'median s':>9}{'min s':>8}{'vs default':>11}{'vs floor':>9}"
+          f"{'read/rank GB':>13}{'disk/rank GB':>13}{'peak RSS MB':>12}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['tp']:<4}{r['cache']:<6}{r['loader']:<18} FAILED: {r['error']}")
+            continue
+        vs = f"{r['vs_safetensors']:.2f}x" if r.get("vs_safetensors") else "-"
+        fl = f"{r['vs_floor']:.2f}x" if r.get("vs_floor") else "-"
+        print(f"{r['tp'][2:]:<4}{r['cache']:<6}{r['loader']:<18}{r['seconds_median']:>9.2f}{r['seconds_min']:>8.2f}"
+              f"{vs:>11}{fl:>9}{r['rchar_per_rank'] / 1e9:>13.2f}{r['disk_read_per_rank'] / 1e9:>13.2f}"
+              f"{r['peak_rss_mb']:>12.0f}")
+    print("read/rank: bytes read through read calls (mmap page faults are not counted there); "
+          "disk/rank: bytes fetched from storage")
+
+
+def chart(rows: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no chart")
+        return
+    ok = [r for r in rows if "error" not in r]
+    labels = [f"{r['loader']}\nTP={r['tp'][2:]} {r['cache']}" for r in ok]
+    fig, ax = plt.subplots(figsize=(max(6, len(ok) * 0.9), 4.5))
+    colors = ["tab:green" if r["loader"] == "fastload" else "tab:gray" if r["loader"].startswith("zerofill")
+              else "tab:blue" for r in ok]
+    ax.bar(range(len(ok)), [r["seconds_median"] for r in ok], color=colors)
+    ax.set_xticks(range(len(ok)), labels, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("load_weights, slowest rank (s, median)")
+    ax.set_title("vLLM load_weights by loader (lower is better)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
