@@ -51,8 +51,9 @@ def apply(module: types.ModuleType | None = None) -> type:
             _patch = _Patch(current, _replacement_for(current))
         rebound = _rebind(_patch.original, _patch.replacement)
         if first:
+            modules = f"{len(rebound)} module{'' if len(rebound) == 1 else 's'}"
             emit(f"fastload-tgi: {TARGET_MODULE}.Weights -> tgi_patch.FastWeights "
-                 f"({len(rebound)} modules rebound, pid {os.getpid()})")
+                 f"({modules} rebound, pid {os.getpid()})")
         return _patch.replacement
 
 

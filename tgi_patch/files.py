@@ -26,21 +26,14 @@ def file_key(filename: str | os.PathLike) -> str:
     return os.path.abspath(os.fspath(filename))
 
 
-class _HostCheckpoint(FastCheckpoint):
-    """A FastCheckpoint over a Checkpoint we assemble ourselves (the core only opens paths).
+def _host_checkpoint(checkpoint: Checkpoint, config: FastloadConfig) -> FastCheckpoint:
+    """The core over the Checkpoint we assemble from TGI's routing.
 
-    The core's progress bar and layer callbacks are off here: one TGI call is one tiny plan,
-    so readiness is tracked per FastWeights instead (see ``readiness``).
+    The core's progress bar and layer callbacks are off: one TGI call is one tiny plan, so
+    readiness is tracked per FastWeights instead (see ``readiness``).
     """
-
-    def __init__(self, checkpoint: Checkpoint, config: FastloadConfig) -> None:
-        self.config = config.model_copy(update={"on_layer_ready": [], "progress": False, "log_layers": False})
-        self.device = torch.device("cpu")
-        self.checkpoint = checkpoint
-        self.show_progress = False
-        self._reader = None
-        self._pool = None
-        self.last_stats = None
+    quiet = config.model_copy(update={"on_layer_ready": [], "progress": False, "log_layers": False})
+    return FastCheckpoint(checkpoint, "cpu", quiet, show_progress=False)
 
 
 class CheckpointFiles:
@@ -51,8 +44,18 @@ class CheckpointFiles:
             raise ConfigError(f"tgi_patch reads into host memory and lets TGI move tensors to the GPU; "
                               f"backend must be 'auto' or 'host', not {config.backend!r}")
         self.checkpoint = Checkpoint([], source="TGI weights routing")
-        self._core = _HostCheckpoint(self.checkpoint, config.model_copy(update={"backend": "host"}))
+        self._config = config.model_copy(update={"backend": "host"})
+        self._host: FastCheckpoint | None = None
+        self._closed = False
         self.bytes_read = 0
+
+    @property
+    def _core(self) -> FastCheckpoint:
+        if self._closed:
+            raise ValueError(f"checkpoint {self.checkpoint.source} is closed")
+        if self._host is None:
+            self._host = _host_checkpoint(self.checkpoint, self._config)
+        return self._host
 
     @staticmethod
     def parse(filename: str | os.PathLike) -> SafetensorsFile:
@@ -110,7 +113,7 @@ class CheckpointFiles:
             pos += stop - start
         before = self._core.last_stats
         if targets:
-            self._core.read_into(targets)
+            self._core.read_into(targets, quiet=True)
         self._count(before)
         return out
 
@@ -121,4 +124,7 @@ class CheckpointFiles:
             self.bytes_read += stats.bytes_read
 
     def close(self) -> None:
-        self._core.close()
+        self._closed = True
+        if self._host is not None:
+            self._host.close()
+        self.checkpoint.close()

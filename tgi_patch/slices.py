@@ -90,13 +90,14 @@ class FastHandle:
 
 
 def _normalize(key: Any, shape: tuple[int, ...]) -> list[slice | int] | None:
-    """One slice or int per dimension, with safetensors' errors; None for index kinds we hand to torch."""
+    """One slice or int per dimension, with safetensors' errors; None for index kinds we hand to torch
+    (lists, None, tensors, several ellipses), which indexes them as safetensors does."""
     items = list(key) if isinstance(key, tuple) else [key]
     if not all(isinstance(i, slice | EllipsisType) or _is_index(i) for i in items):
         return None
     ellipses = sum(1 for i in items if i is Ellipsis)
     if ellipses > 1:
-        raise IndexError("an index can only have a single ellipsis ('...')")
+        return None  # safetensors and torch both accept several, with the same (odd) meaning
     explicit = len(items) - ellipses
     if explicit > len(shape):
         raise IndexError(f"too many indices for tensor of dimension {len(shape)}")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -88,7 +88,7 @@ class FastWeights:
     # -- names ---------------------------------------------------------------------------------
     def _get_handle(self, filename: str) -> FastHandle:
         if filename not in self._handles:
-            self._handles[filename] = FastHandle(self._files, filename, self._served)
+            self._handles[filename] = FastHandle(self._files, filename, _weak(self._served))
         return self._handles[filename]
 
     def get_filename(self, tensor_name: str) -> tuple[str, str]:
@@ -228,3 +228,16 @@ class FastWeights:
             elapsed = time.perf_counter() - self._start
             emit(f"fastload-tgi: rank 0 ready: {self._readiness.progress.total_layers} layer groups, "
                  f"{self.bytes_read / 1e9:.2f} GB read in {elapsed:.2f} s")
+
+
+def _weak(method: Callable[[str], None]) -> Callable[[str], None]:
+    """A callback that does not keep its object alive: handles must not form a cycle with FastWeights,
+    or dropping it (as TGI does) would leave its files open until the next cyclic GC."""
+    ref = weakref.WeakMethod(method)
+
+    def call(name: str) -> None:
+        target = ref()
+        if target is not None:
+            target(name)
+
+    return call

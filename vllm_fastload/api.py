@@ -11,7 +11,7 @@ import torch
 from vllm_fastload.buffers import BufferPool
 from vllm_fastload.config import FastloadConfig
 from vllm_fastload.errors import InvalidRequestError
-from vllm_fastload.events import LoadProgress
+from vllm_fastload.events import LoadProgress, resolve_callback
 from vllm_fastload.executor import LoadStats, PlanExecutor
 from vllm_fastload.format import Checkpoint, TensorInfo
 from vllm_fastload.plan import Plan, TensorRequest, build_plan, plan_tensor
@@ -34,13 +34,18 @@ class FastCheckpoint:
     - ``read_into`` fills tensors the caller already owns.
     """
 
-    def __init__(self, path: str | os.PathLike, device: str | torch.device = "cpu",
+    def __init__(self, path: str | os.PathLike | Checkpoint, device: str | torch.device = "cpu",
                  config: FastloadConfig | Mapping[str, Any] | None = None, *,
                  show_progress: bool | None = None) -> None:
         self.config = FastloadConfig.from_env() if config is None else FastloadConfig.build(config)
         self.device = torch.device(device)
-        self.checkpoint = Checkpoint.discover(path)
+        # A Checkpoint the caller assembled (e.g. TGI's routing, which grows after construction)
+        # is used as is; a path is discovered.
+        self.checkpoint = path if isinstance(path, Checkpoint) else Checkpoint.discover(path)
         self.show_progress = self.config.progress if show_progress is None else show_progress
+        for callback in self.config.on_layer_ready:
+            resolve_callback(callback)  # a typo in "module:function" fails here, not mid-load
+        self._closed = False
         self._reader: Reader | None = None
         self._pool: BufferPool | None = None
         self.last_stats: LoadStats | None = None
@@ -53,6 +58,7 @@ class FastCheckpoint:
         self.close()
 
     def close(self) -> None:
+        self._closed = True
         if self._reader is not None:
             self._reader.close()
             self._reader = None
@@ -76,6 +82,8 @@ class FastCheckpoint:
 
     @property
     def reader(self) -> Reader:
+        if self._closed:
+            raise ValueError(f"checkpoint {self.checkpoint.source} is closed")
         if self._reader is None:
             self._reader = make_reader(self.config, self.device)
         return self._reader
@@ -112,14 +120,16 @@ class FastCheckpoint:
 
     def read_into(self, targets: Mapping[RequestLike, torch.Tensor], *,
                   extra: Iterable[RequestLike] = (),
-                  on_tensor: Callable[[str, torch.Tensor], object] | None = None) -> LoadStats:
+                  on_tensor: Callable[[str, torch.Tensor], object] | None = None,
+                  quiet: bool = False) -> LoadStats:
         """Read each request straight into the caller's tensor (same shape; dtype equal or castable).
 
         Contiguous destinations on the reader's device with the checkpoint's dtype receive the
         bytes directly (no intermediate copy); others are filled from a read buffer with
         ``copy_`` (which also converts the dtype, on the destination's device). Requests in
         ``extra`` are read in the same pass and handed to ``on_tensor(key, tensor)`` as views
-        (valid during the call). Layer events fire as in ``iter_tensors``.
+        (valid during the call). Layer events fire as in ``iter_tensors`` unless ``quiet``
+        (for callers that read piecemeal and track readiness themselves).
         """
         requests: list[TensorRequest] = []
         by_key: dict[str, torch.Tensor] = {}
@@ -134,7 +144,7 @@ class FastCheckpoint:
                 direct[req.result_key] = dest
         requests += [TensorRequest(r) if isinstance(r, str) else r for r in extra]
         plan = self.plan(requests, dests=direct)
-        for planned, tensor in self._execute(plan):
+        for planned, tensor in self._execute(plan, quiet=quiet):
             if planned.dest is not None:
                 continue
             dest = by_key.get(planned.key)

@@ -17,6 +17,7 @@ import torch
 
 from vllm_fastload.buffers import Buffer, BufferPool
 from vllm_fastload.config import FastloadConfig
+from vllm_fastload.errors import CheckpointError
 from vllm_fastload.events import LoadProgress
 from vllm_fastload.format import Checkpoint
 from vllm_fastload.plan import Chunk, Plan, PlannedTensor
@@ -57,6 +58,18 @@ def _after_consumer_work(chunk: Chunk, buf: Buffer | None) -> None:
     target = buf.tensor if buf is not None else next((t.dest for t, _ in chunk.tensors), None)
     if isinstance(target, torch.Tensor) and target.is_cuda:
         torch.cuda.current_stream(target.device).synchronize()
+
+
+def _wait_naming_tensors(item: _InFlight) -> None:
+    """Wait for a chunk; an I/O error from the reader (which knows only offsets) gets the tensor's name."""
+    try:
+        item.pending.wait()
+    except CheckpointError as exc:
+        if exc.tensor is not None:
+            raise
+        names = [t.key for t, _ in item.chunk.tensors]
+        where = f" while reading {', '.join(names[:3])}{' and others' if len(names) > 3 else ''}"
+        raise type(exc)(exc.reason + where, file=exc.file, tensor=names[0] if names else None) from exc
 
 
 class PlanExecutor:
@@ -109,7 +122,7 @@ class PlanExecutor:
                 for _ in group.chunks:
                     fill()
                     item = in_flight.popleft()
-                    item.pending.wait()
+                    _wait_naming_tensors(item)
                     item.pending = None
                     if self.config.check_file_changes:
                         self.checkpoint.files[item.chunk.file].check_unchanged()

@@ -419,3 +419,14 @@ def test_close_during_iteration_fails_cleanly(ckpt_dir):
             pass
     assert str(root) in str(info.value)
     assert_bitexact(view, tensors[key], key)
+
+
+def test_reading_after_close_says_closed(ckpt_dir):
+    root, tensors = ckpt_dir
+    ckpt = open_ckpt(root, TINY)
+    ckpt.close()
+    name = next(iter(tensors))
+    with pytest.raises(ValueError, match="is closed"):
+        ckpt.get_tensor(name)
+    with pytest.raises(ValueError, match="is closed"):
+        next(ckpt.iter_tensors())

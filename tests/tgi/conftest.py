@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
+
+# tgi_helpers sits beside this file; keep it importable under any pytest --import-mode.
+sys.path.insert(0, str(Path(__file__).parent))
 from tgi_helpers import FILE_A, FILE_B, FakeGroup, Oracle, same, write
 
 

@@ -226,7 +226,8 @@ def test_fastload_tgi_1_patches_every_shard_process(fake_tgi, tmp_path, ckpt):
     proc = run_with_pth(fake_tgi, tmp_path, "1", code)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["tgi_patch.weights", "True", "torch.float16", "True"]
-    assert "fastload-tgi: text_generation_server.utils.weights.Weights -> tgi_patch.FastWeights" in proc.stderr
+    assert "fastload-tgi: text_generation_server.utils.weights.Weights -> tgi_patch.FastWeights (1 module " \
+        "rebound" in proc.stderr  # patched before utils/__init__ bound the name
 
 
 def test_launcher_sees_the_activation_line(fake_tgi, tmp_path):
@@ -252,3 +253,22 @@ def test_unset_or_off_costs_nothing(fake_tgi, tmp_path, value):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == [str(value is not None), "False", "text_generation_server.utils.weights", "[]"]
     assert proc.stderr == ""
+
+
+def test_pth_is_installed_into_site_packages():
+    """The installed package (pip install, editable or not) puts the switch where Python reads it."""
+    import site
+
+    dirs = [*site.getsitepackages(), site.getusersitepackages()]
+    installed = [p for p in (os.path.join(d, "fastload_tgi.pth") for d in dirs) if os.path.exists(p)]
+    assert installed, f"fastload_tgi.pth not in {dirs}"
+    with open(installed[0]) as f:
+        assert f.read().startswith("import ")
+    env = {**os.environ, "FASTLOAD_TGI": "1"}
+    out = subprocess.run([sys.executable, "-c", "import sys; print(type(sys.meta_path[0]).__name__)"],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert out.stdout.strip() == "_WeightsFinder", out.stderr
+    env["FASTLOAD_TGI"] = ""
+    out = subprocess.run([sys.executable, "-c", "import sys; print('tgi_patch' in sys.modules)"],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert out.stdout.strip() == "False"

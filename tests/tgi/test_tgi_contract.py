@@ -227,6 +227,27 @@ def test_get_slice_indexing_matches_safetensors(make_weights, oracle, assert_sam
     assert w._get_slice("model.layers.1.mlp.down_proj.weight").get_dtype() == "F8_E4M3"
 
 
+@pytest.mark.parametrize(("key", "error"), [
+    (slice(None, None, -1), ValueError), (slice(None, None, 0), ValueError), (9, IndexError), (-9, IndexError),
+    ((1, 2, 3), IndexError)], ids=repr)
+def test_get_slice_index_errors_match_safetensors(make_weights, oracle, key, error):
+    w, o = make_weights(), oracle()
+    name = "model.layers.0.mlp.qweight"  # shape (5, 9)
+    with pytest.raises(error):
+        o.slice(name)[key]
+    with pytest.raises(error):
+        w._get_slice(name)[key]
+
+
+def test_get_slice_other_index_kinds_fall_back_to_torch(make_weights, oracle, assert_same):
+    w, o = make_weights(), oracle()
+    name = "model.layers.0.mlp.qweight"
+    assert_same(w._get_slice(name)[[0, 3]], o.slice(name)[[0, 3]])
+    assert_same(w._get_slice(name)[None], o.slice(name)[None])
+    for key in [(Ellipsis, Ellipsis), (Ellipsis, 1, Ellipsis), (slice(None), Ellipsis, Ellipsis, 1)]:
+        assert_same(w._get_slice(name)[key], o.slice(name)[key])
+
+
 @given(data=st.data())
 @settings(max_examples=60, deadline=None)
 def test_get_slice_indexing_property(ckpt, data):
@@ -236,8 +257,8 @@ def test_get_slice_indexing_property(ckpt, data):
                                       "model.layers.0.mlp.g_idx"]))
     shape = ALL_SPECS[name][0]
     bound = st.integers(-20, 20) | st.none()
-    item = st.builds(slice, bound, bound, st.integers(1, 3) | st.none()) | st.integers(-20, 20)
-    key = tuple(data.draw(st.lists(item, min_size=1, max_size=len(shape))))
+    item = st.builds(slice, bound, bound, st.integers(1, 3) | st.none()) | st.integers(-20, 20) | st.just(Ellipsis)
+    key = tuple(data.draw(st.lists(item, min_size=1, max_size=len(shape) + 1)))
     want_error = None
     try:
         want = safe_open(str(ckpt[0] if name in FILE_A else ckpt[1]), "pt").get_slice(name)[key]
@@ -368,5 +389,17 @@ def test_filenames_may_be_str_or_path(ckpt):
         assert w.routing["lm_head.weight"] == Path(ckpt[1]) and w.routing["model.norm.weight"] == Path(ckpt[1])
         assert w.routing["model.embed_tokens.weight"] == str(ckpt[0])
         assert w.get_tensor("lm_head.weight").dtype == torch.float32
+    finally:
+        w.close()
+
+
+def test_no_files_at_construction_then_routing_added(tmp_path):
+    spec = tmp_path / "only.safetensors"
+    tensors = write(spec, {"head.weight": ((6, 2), torch.float32)}, 9)
+    w = FastWeights([], "cpu", torch.bfloat16, FakeGroup(1, 3), None, config={"progress": False})
+    try:
+        assert w.routing == {} and not w.has_tensor("head.weight")
+        w.routing["head.weight"] = str(spec)
+        assert same(w.get_sharded("head.weight", 0), tensors["head.weight"][2:4].to(torch.bfloat16))
     finally:
         w.close()

@@ -121,12 +121,17 @@ class Oracle:
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit-identical: dtype, shape and bytes (fp8 and NaN-safe)."""
+    """Bit-identical: dtype, shape and bytes (fp8- and NaN-safe)."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     if a.numel() == 0:
         return True
-    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+    return torch.equal(_bytes(a), _bytes(b))
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    # A fresh tensor has canonical strides; views of slices may not (size-1 dims keep odd strides).
+    return torch.empty(t.shape, dtype=t.dtype).copy_(t).reshape(-1).view(torch.uint8)
 
 
 #: Filled by ``record_event``, the ``on_layer_ready`` callback given as an import string in tests.

@@ -2,7 +2,7 @@
 
 Disk and PCIe overlap: while one slot's bytes travel to the device, other threads fill other
 slots. A slot is returned to the ring only after its copy completed, so staging memory is bounded
-by ``slots x read_size`` (at most half the memory budget).
+by ``slots x slot size`` (a quarter of the memory budget).
 """
 
 from __future__ import annotations
@@ -24,8 +24,11 @@ class CudaReader(Reader):
         super().__init__(config, device)
         if device.type != "cuda":
             raise ValueError(f"the cuda backend needs a CUDA device, got {device}")
-        self.slot_size = int(config.read_size)
-        slots = max(2, min(2 * config.threads, config.memory_budget // 2 // self.slot_size))
+        # Staging gets at most a quarter of the budget (the rest is for device chunk buffers):
+        # at least two slots, smaller than read_size if the budget is tight.
+        staging = int(config.memory_budget) // 4
+        self.slot_size = max(4096, min(int(config.read_size), staging // 2) // 4096 * 4096)
+        slots = max(2, min(2 * config.threads, staging // self.slot_size))
         self._slots: queue.Queue = queue.Queue()
         for _ in range(slots):
             self._slots.put(torch.empty(self.slot_size, dtype=torch.uint8, pin_memory=True))
