@@ -79,7 +79,8 @@ class VllmServer:
         raise TimeoutError(f"vLLM server not healthy after {self.startup_timeout:.0f} s; see {self.log_path}")
 
     def complete(self, prompt_ids: list[int], max_tokens: int = 8, logprobs: int | None = None) -> dict:
-        body = {"model": "model", "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0}
+        body = {"model": "model", "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0,
+                "return_token_ids": True}
         if logprobs is not None:
             body["logprobs"] = logprobs
         req = urllib.request.Request(self.url + "/v1/completions", data=json.dumps(body).encode(),

@@ -13,6 +13,7 @@ If the probe cannot describe the model's loading, every tensor is read in full a
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 
@@ -67,6 +68,8 @@ class FastloadModelLoader(BaseModelLoader):
                 loaded, summary = self._load_through_model(model, ckpt)
             else:
                 _check_fully_written(probe, path)
+                if world == 1:
+                    _check_fully_used(probe, infos)
                 loaded, summary = self._load_direct(ckpt, probe)
             stats = ckpt.last_stats
             backend = ckpt.reader.name
@@ -170,6 +173,24 @@ def _check_fully_written(probe: ProbeResult, path: str) -> None:
             f"parameter {param} is only partly provided by the checkpoint (it receives {', '.join(sources)}; "
             f"{len(partial)} parameters are incomplete: {', '.join(list(partial)[:5])}); a tensor is missing",
             file=path)
+
+
+def _check_fully_used(probe: ProbeResult, infos: dict) -> None:
+    """On a single rank every checkpoint tensor the model uses must be used whole.
+
+    vLLM's slicing loaders narrow whatever they get, so a k_proj with extra rows loads
+    silently with the default loader; on one rank, a partly used tensor can only be a shape
+    mismatch. (With several ranks each uses a part by design, and no rank sees the others.)
+    """
+    for name, placements in probe.placements.items():
+        used = sum(math.prod(p.src_shape) for p in placements)
+        info = infos[name]
+        if used < info.numel:
+            shapes = ", ".join(str(list(p.dest.shape)) for p in placements)
+            raise CheckpointError(
+                f"checkpoint tensor has shape {list(info.shape)} but the model takes only {used} of its "
+                f"{info.numel} elements (into {placements[0].parameter} {shapes}): the checkpoint does not "
+                "match the model", file=info.file, tensor=name)
 
 
 def _model_device(model: nn.Module) -> torch.device:
