@@ -21,6 +21,20 @@ _NON_CONFIG_ENV = {"FASTLOAD_TGI", "FASTLOAD_BENCH_DIR", "FASTLOAD_TEST_EVENTS"}
 LayerCallback = Callable[..., Any]
 
 
+def default_threads() -> int:
+    """One reader thread per usable CPU (2..16).
+
+    Measured on a 2-core VM, reading into fresh huge-page memory: 2 threads 7.9 GB/s, 4 threads
+    6.6 GB/s, 8 threads 2.7 GB/s (page-fault contention). Storage with deep queues still gets
+    parallelism from large reads split into ``read_size`` pieces.
+    """
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 2
+    return max(2, min(16, cpus))
+
+
 class ConfigError(ValueError):
     """A configuration value is unknown or invalid; the message names the field."""
 
@@ -33,7 +47,9 @@ class FastloadConfig(BaseModel):
     backend: Literal["auto", "host", "cuda", "kvikio"] = Field(
         "auto", description="Reader: 'host' (threaded pread into host memory), 'cuda' (pinned "
         "staging + async copies), 'kvikio' (cuFile/GDS), or 'auto' (best for the target device).")
-    threads: int = Field(8, ge=1, le=256, description="Reader threads issuing reads in parallel.")
+    threads: int = Field(default_factory=lambda: default_threads(), ge=1, le=256,
+                         description="Reader threads issuing reads in parallel; default: the CPUs this "
+                         "process may run on, between 2 and 16.")
     read_size: ByteSize = Field(ByteSize(8 << 20), description="Largest single read call; bigger "
                                 "reads are split and spread over the threads.")
     aggregate_size: ByteSize = Field(ByteSize(64 << 20), description="Largest aggregated read "

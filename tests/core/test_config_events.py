@@ -11,6 +11,7 @@ import torch
 
 import vllm_fastload
 from vllm_fastload import ConfigError, FastloadConfig, LayerEvent, TensorRequest
+from vllm_fastload.config import default_threads
 
 from ._util import open_ckpt, random_tensor, save
 
@@ -23,7 +24,7 @@ MiB = 1 << 20
 def test_defaults():
     c = FastloadConfig()
     assert c.backend == "auto"
-    assert c.threads == 8
+    assert c.threads == default_threads()
     assert c.read_size == 8 * MiB
     assert c.aggregate_size == 64 * MiB
     assert c.memory_budget == 1 << 30

@@ -7,9 +7,8 @@ The executor reuses buffers, so most reads land in memory that is already touche
 
 from __future__ import annotations
 
-import ctypes
 import mmap
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -36,34 +35,6 @@ def allocate_host(nbytes: int, hugepages: bool) -> torch.Tensor:
         except OSError:
             pass  # THP disabled: still correct, only slower to fill
     return torch.frombuffer(region, dtype=torch.uint8)
-
-
-_PAGE = mmap.PAGESIZE
-
-
-def advise_hugepages(tensors: Iterable[torch.Tensor]) -> int:
-    """Ask for huge pages on memory that is about to be filled (e.g. freshly allocated parameters).
-
-    Only advice: correct either way, and a no-op where THP is off. Returns bytes advised.
-    """
-    if not hasattr(mmap, "MADV_HUGEPAGE"):
-        return 0
-    libc = ctypes.CDLL(None, use_errno=True)
-    advised = 0
-    seen: set[int] = set()
-    for t in tensors:
-        if t.device.type != "cpu" or t.numel() == 0:
-            continue
-        storage = t.untyped_storage()
-        start, nbytes = storage.data_ptr(), storage.nbytes()
-        if start in seen or nbytes < HUGE_PAGE:
-            continue
-        seen.add(start)
-        lo = -(-start // _PAGE) * _PAGE
-        hi = (start + nbytes) // _PAGE * _PAGE
-        if hi > lo and libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), mmap.MADV_HUGEPAGE) == 0:
-            advised += hi - lo
-    return advised
 
 
 class HostReader(Reader):
