@@ -8,6 +8,7 @@ The executor reuses buffers, so most reads land in memory that is already touche
 from __future__ import annotations
 
 import mmap
+import os
 from collections.abc import Sequence
 
 import torch
@@ -44,10 +45,31 @@ class HostReader(Reader):
         return allocate_host(nbytes, self.config.hugepages)
 
     def submit(self, sf: SafetensorsFile, calls: Sequence[ReadCall]) -> Pending:
+        prefetch(sf.fd, calls)
         pool = self.threads()
         futures = [pool.submit(_read_batch, sf.fd, sf.path, batch)
                    for batch in self.batches(calls, self.config.read_size)]
         return Pending(futures)
+
+
+def prefetch(fd: int, calls: Sequence[ReadCall]) -> None:
+    """Tell the kernel to start reading these ranges now (``POSIX_FADV_WILLNEED``).
+
+    The executor submits chunks ahead of the threads reaching them, so on a cold cache the
+    disk works on later chunks while threads copy earlier ones: I/O depth without more
+    threads (more threads cost warm-cache speed on few cores). A cheap no-op when cached.
+    """
+    if not calls or not hasattr(os, "posix_fadvise"):
+        return
+    lo = min(offset for offset, _, _ in calls)
+    hi = max(offset + length for offset, length, _ in calls)
+    needed = sum(length for _, length, _ in calls)
+    spans = [(lo, hi - lo)] if hi - lo <= 2 * needed else [(o, n) for o, n, _ in calls]
+    for offset, length in spans:
+        try:
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            return  # advice only
 
 
 def _read_batch(fd: int, path: str, batch: list[ReadCall]) -> None:
