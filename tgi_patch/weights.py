@@ -125,11 +125,7 @@ class FastWeights:
         filename, tensor_name = self.get_filename(tensor_name)
         tensor = self._files.read(filename, tensor_name)
         self._served(tensor_name)
-        if tensor.dtype not in NO_CAST and to_dtype:
-            tensor = tensor.to(dtype=self.dtype)
-        if to_device:
-            tensor = tensor.to(device=self.device)
-        return tensor
+        return self._cast_then_move(tensor, NO_CAST, to_dtype, to_device)
 
     def get_partial_sharded(self, tensor_name: str, dim: int, to_device: bool = True,
                             to_dtype: bool = True) -> torch.Tensor:
@@ -141,7 +137,11 @@ class FastWeights:
             raise NotImplementedError("Let's make that generic when needed")
         tensor = self._files.read(filename, tensor_name, dim, start, stop - start)
         self._served(tensor_name)
-        if tensor.dtype not in NO_CAST_PARTIAL and to_dtype:
+        return self._cast_then_move(tensor, NO_CAST_PARTIAL, to_dtype, to_device)
+
+    def _cast_then_move(self, tensor: torch.Tensor, no_cast, to_dtype: bool, to_device: bool) -> torch.Tensor:
+        """TGI's order for get_tensor / get_partial_sharded: cast first (unless exempt), then move."""
+        if tensor.dtype not in no_cast and to_dtype:
             tensor = tensor.to(dtype=self.dtype)
         if to_device:
             tensor = tensor.to(device=self.device)

@@ -147,13 +147,8 @@ class _Recorder(TorchFunctionMode):
         if owner is None:
             self.result.unsupported.append(f"{name} is copied into a tensor that is not a model parameter")
             return
-        span = _span(dest)
-        for lo, hi in self.written.get(owner, []):
-            if span[0] < hi and lo < span[1]:
-                self.result.unsupported.append(f"{owner} is written twice in overlapping regions (last: {name})")
-                return
-        self.written.setdefault(owner, []).append(span)
-        self.result.covered[owner] = self.result.covered.get(owner, 0) + dest.numel()
+        if not self._claim(owner, dest, f"{owner} is written twice in overlapping regions (last: {name})"):
+            return
         self.result.placements.setdefault(name, []).append(Placement(
             name, dest, owner, tuple(src.shape), tuple(src.stride()), src.storage_offset()))
 
@@ -181,13 +176,19 @@ class _Recorder(TorchFunctionMode):
 
     def _check_fill(self, dest: torch.Tensor) -> None:
         owner = self.memory.owner(dest)
+        self._claim(owner, dest, f"{owner} is filled after checkpoint data was copied into it")
+
+    def _claim(self, owner: str, dest: torch.Tensor, overlap_reason: str) -> bool:
+        """Record that ``dest`` (in parameter ``owner``) is written; an overlap makes the probe give up,
+        because our reads do not keep the loader's write order."""
         span = _span(dest)
         for lo, hi in self.written.get(owner, []):
             if span[0] < hi and lo < span[1]:
-                self.result.unsupported.append(f"{owner} is filled after checkpoint data was copied into it")
-                return
+                self.result.unsupported.append(overlap_reason)
+                return False
         self.written.setdefault(owner, []).append(span)
         self.result.covered[owner] = self.result.covered.get(owner, 0) + dest.numel()
+        return True
 
 
 def probe_model(model: nn.Module, tensors: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> ProbeResult:
