@@ -45,17 +45,9 @@ class CheckpointFiles:
                               f"backend must be 'auto' or 'host', not {config.backend!r}")
         self.checkpoint = Checkpoint([], source="TGI weights routing")
         self._config = config.model_copy(update={"backend": "host"})
-        self._host: FastCheckpoint | None = None
-        self._closed = False
+        # Over the (still empty) routing checkpoint; reads need no file until one is routed to.
+        self._core = _host_checkpoint(self.checkpoint, self._config)
         self.bytes_read = 0
-
-    @property
-    def _core(self) -> FastCheckpoint:
-        if self._closed:
-            raise ValueError(f"checkpoint {self.checkpoint.source} is closed")
-        if self._host is None:
-            self._host = _host_checkpoint(self.checkpoint, self._config)
-        return self._host
 
     @staticmethod
     def parse(filename: str | os.PathLike) -> SafetensorsFile:
@@ -124,7 +116,4 @@ class CheckpointFiles:
             self.bytes_read += stats.bytes_read
 
     def close(self) -> None:
-        self._closed = True
-        if self._host is not None:
-            self._host.close()
-        self.checkpoint.close()
+        self._core.close()  # closes the checkpoint's files too; later reads say "is closed"

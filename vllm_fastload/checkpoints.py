@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -167,6 +167,3 @@ def write_checkpoint(directory: str | Path, spec: ModelSpec | str = "tiny-llama"
     stamp.write_text(json.dumps(recipe))
     return out
 
-
-def scaled(spec: ModelSpec | str, **changes) -> ModelSpec:
-    return replace(PRESETS[spec] if isinstance(spec, str) else spec, **changes)

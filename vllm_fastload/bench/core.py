@@ -36,7 +36,7 @@ def evict(paths: list[str]) -> None:
             os.close(fd)
 
 
-def _status_kb(field: str) -> int:
+def status_kb(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field + ":"):
@@ -51,11 +51,11 @@ def measure(fn: Callable[[], int]) -> tuple[float, int, int]:
             f.write("5")  # reset VmHWM to the current RSS
     except OSError:
         pass
-    rss_before = _status_kb("VmRSS")
+    rss_before = status_kb("VmRSS")
     start = time.perf_counter()
     nbytes = fn()
     elapsed = time.perf_counter() - start
-    return elapsed, nbytes, max(0, _status_kb("VmHWM") - rss_before) * 1024
+    return elapsed, nbytes, max(0, status_kb("VmHWM") - rss_before) * 1024
 
 
 def main(args: argparse.Namespace) -> int:

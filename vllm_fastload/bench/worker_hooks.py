@@ -13,7 +13,7 @@ import os
 import time
 from pathlib import Path
 
-from vllm_fastload.bench.core import _status_kb
+from vllm_fastload.bench.core import status_kb
 
 
 def _io() -> dict[str, int]:
@@ -34,7 +34,7 @@ def _timed(cls, out_dir: Path):
         import torch.distributed as dist
 
         rank = dist.get_rank() if dist.is_initialized() else 0
-        io_before, rss_before = _io(), _status_kb("VmRSS")
+        io_before, rss_before = _io(), status_kb("VmRSS")
         start = time.perf_counter()
         result = original(self, model, model_config)
         seconds = time.perf_counter() - start
@@ -42,7 +42,7 @@ def _timed(cls, out_dir: Path):
         record = {"rank": rank, "loader": type(self).__name__, "load_format": self.load_config.load_format,
                   "seconds": seconds, "rchar": io_after["rchar"] - io_before["rchar"],
                   "read_bytes": io_after["read_bytes"] - io_before["read_bytes"],
-                  "rss_before_kb": rss_before, "hwm_after_kb": _status_kb("VmHWM")}
+                  "rss_before_kb": rss_before, "hwm_after_kb": status_kb("VmHWM")}
         (out_dir / f"rank{rank}-{os.getpid()}.json").write_text(json.dumps(record))
         return result
 
