@@ -160,14 +160,14 @@ class FastCheckpoint:
         native = torch_dtype(planned)
         out = torch.empty(torch_shape(planned), dtype=native, device=self.device)
         if planned.read_bytes:
-            # Enclosing rows go through a read buffer and are narrowed into ``out``; everything
-            # else lands in ``out`` directly. Either way quietly: no bar, no layer events.
-            enclosing = planned.strategy == "enclosing"
+            # Straight into ``out`` where the reader can; else (enclosing rows on a GPU reader)
+            # through a read buffer, narrowed into ``out``. Either way quietly: no bar, no events.
+            direct = self._can_read_directly(planned, out)
             plan = build_plan(self.checkpoint, [request], aggregate_size=int(self.config.aggregate_size),
                               strided_min_skip=self.strided_min_skip,
-                              dests=None if enclosing else {request.result_key: out})
+                              dests={request.result_key: out} if direct else None)
             for _, tensor in self._execute(plan, quiet=True):
-                if enclosing:
+                if not direct:
                     out.copy_(tensor)
         return cast(out, dtype)
 
@@ -183,7 +183,8 @@ class FastCheckpoint:
                                       file=planned.info.file, tensor=planned.key)
 
     def _can_read_directly(self, planned, dest: torch.Tensor) -> bool:
-        return (planned.strategy != "enclosing" and dest.dtype == torch_dtype(planned)
+        """Bytes can land in ``dest`` as they are; enclosing rows only with a reader that skips the gaps."""
+        return ((planned.strategy != "enclosing" or self.reader.reads_rows) and dest.dtype == torch_dtype(planned)
                 and dest.is_contiguous() and dest.device == self.reader.device)
 
     def _pool_for(self) -> BufferPool:

@@ -155,18 +155,22 @@ class PlanExecutor:
 
     def _submit(self, chunk: Chunk, buf: Buffer | None) -> Pending:
         sf = self.checkpoint.files[chunk.file]
+        calls: list = []
         if chunk.direct:
-            calls = []
             for t, _ in chunk.tensors:
                 dest = byte_view(t.dest)
+                if t.rows is not None:
+                    calls.append((t.rows, dest))  # one call per sliced tensor, not one per row
+                    continue
                 pos = 0
                 for offset, length in t.ranges:
                     calls.append((offset, length, dest[pos:pos + length]))
                     pos += length
+            self.stats.bytes_read += sum(t.read_bytes for t, _ in chunk.tensors)
         else:
             calls = [(op.file_offset, op.length, buf.tensor[op.buf_offset:op.buf_offset + op.length])
                      for op in chunk.ops]
-        self.stats.bytes_read += sum(length for _, length, _ in calls)
+            self.stats.bytes_read += sum(op.length for op in chunk.ops)
         self.stats.chunks += 1
         return self.reader.submit(sf, calls)
 

@@ -12,9 +12,13 @@ import torch
 from vllm_fastload.config import FastloadConfig
 from vllm_fastload.errors import ReadError
 from vllm_fastload.format import SafetensorsFile
+from vllm_fastload.plan import Rows
 
 #: (file offset, length, destination): a uint8 1-D view of exactly ``length`` bytes.
 ReadCall = tuple[int, int, torch.Tensor]
+#: (row geometry, destination): the segments land packed one after another in a uint8 1-D
+#: view of exactly ``rows.seg * rows.count`` bytes.
+RowsCall = tuple[Rows, torch.Tensor]
 
 
 class Pending:
@@ -55,6 +59,9 @@ class Reader(ABC):
     #: Default for ``strided_min_skip``: skipping fewer bytes per row than this is cheaper
     #: to read through (one extra read call costs about as much as reading this many bytes).
     default_strided_min_skip: int = 4096
+    #: Whether ``submit`` takes ``RowsCall`` as such (gaps included); other readers get them
+    #: expanded into one ``ReadCall`` per row, and are never given rows with ``gaps``.
+    reads_rows: bool = False
 
     def __init__(self, config: FastloadConfig, device: torch.device) -> None:
         self.config = config
@@ -71,7 +78,7 @@ class Reader(ABC):
         """A uint8 buffer of at least ``nbytes`` on ``self.device``, ready to be filled."""
 
     @abstractmethod
-    def submit(self, sf: SafetensorsFile, calls: Sequence[ReadCall]) -> Pending:
+    def submit(self, sf: SafetensorsFile, calls: Sequence[ReadCall | RowsCall]) -> Pending:
         """Start reading ``calls`` from ``sf``; return a handle to wait on."""
 
     def threads(self) -> ThreadPoolExecutor:
@@ -79,28 +86,53 @@ class Reader(ABC):
             self._pool = ThreadPoolExecutor(self.config.threads, thread_name_prefix=f"fastload-{self.name}")
         return self._pool
 
-    def batches(self, calls: Sequence[ReadCall], piece: int) -> list[list[ReadCall]]:
+    def batches(self, calls: Sequence[ReadCall | RowsCall], piece: int) -> list[list[ReadCall | RowsCall]]:
         """Split big calls into ``piece``-sized reads and group small ones, ~``piece`` bytes per task.
 
         Big reads are split so all threads work on them; tiny strided segments are grouped
-        so a task is not scheduled per 2 KiB read.
+        so a task is not scheduled per 2 KiB read. Rows are split into runs of whole rows
+        (or into single rows for readers without ``reads_rows``).
         """
-        tasks: list[list[ReadCall]] = []
-        current: list[ReadCall] = []
+        tasks: list[list[ReadCall | RowsCall]] = []
+        current: list[ReadCall | RowsCall] = []
         filled = 0
-        for offset, length, dest in calls:
-            done = 0
-            while done < length:
-                n = min(piece, length - done)
-                if filled + n > piece and current:
-                    tasks.append(current)
-                    current, filled = [], 0
-                current.append((offset + done, n, dest[done:done + n]))
-                filled += n
-                done += n
+
+        def add(call: ReadCall | RowsCall, nbytes: int) -> None:
+            nonlocal current, filled
+            if filled + nbytes > piece and current:
+                tasks.append(current)
+                current, filled = [], 0
+            current.append(call)
+            filled += nbytes
+
+        for call in calls:
+            if isinstance(call[0], Rows) and self.reads_rows:
+                rows, dest = call
+                per = max(1, piece // (rows.stride if rows.gaps else rows.seg))
+                for first in range(0, rows.count, per):
+                    part = rows.split(first, min(per, rows.count - first))
+                    add((part, dest[first * rows.seg:(first + part.count) * rows.seg]), part.read_bytes)
+                continue
+            for offset, length, dest in self.plain_calls([call]):
+                for done in range(0, length, piece):
+                    n = min(piece, length - done)
+                    add((offset + done, n, dest[done:done + n]), n)
         if current:
             tasks.append(current)
         return tasks
+
+    @staticmethod
+    def plain_calls(calls: Sequence[ReadCall | RowsCall]) -> list[ReadCall]:
+        """Rows as one ``ReadCall`` per row (gaps not read), for readers without ``reads_rows``."""
+        out: list[ReadCall] = []
+        for call in calls:
+            if isinstance(call[0], Rows):
+                rows, dest = call
+                seg = rows.seg
+                out += [(rows.offset + i * rows.stride, seg, dest[i * seg:(i + 1) * seg]) for i in range(rows.count)]
+            else:
+                out.append(call)
+        return out
 
     def close(self) -> None:
         if self._pool is not None:
@@ -108,13 +140,24 @@ class Reader(ABC):
             self._pool = None
 
 
+#: Most buffers one ``preadv`` takes (1024 on Linux).
+IOV_MAX = max(16, os.sysconf("SC_IOV_MAX")) if "SC_IOV_MAX" in getattr(os, "sysconf_names", {}) else 1024
+
+
 def pread_into(fd: int, path: str, offset: int, view: memoryview) -> None:
     """Fill ``view`` from ``offset``: retry short reads and EINTR; EOF or EIO raise ReadError."""
-    wanted = len(view)
+    preadv_into(fd, path, offset, [view])
+
+
+def preadv_into(fd: int, path: str, offset: int, views: list[memoryview]) -> None:
+    """Fill ``views`` (in order) from the file bytes starting at ``offset``, like ``pread_into``."""
+    wanted = sum(len(v) for v in views)
     done = 0
+    first = 0
     while done < wanted:
         try:
-            n = os.preadv(fd, [view[done:]], offset + done)
+            n = os.preadv(fd, views[first:first + IOV_MAX] if first or len(views) > IOV_MAX else views,
+                          offset + done)
         except InterruptedError:
             continue
         except OSError as exc:
@@ -124,3 +167,9 @@ def pread_into(fd: int, path: str, offset: int, view: memoryview) -> None:
             raise ReadError(f"unexpected end of file at offset {offset + done} (wanted {wanted} bytes "
                             f"from offset {offset}); the file was truncated", file=path)
         done += n
+        # Step past what arrived: whole views, then the start of a partly filled one.
+        while first < len(views) and n >= len(views[first]):
+            n -= len(views[first])
+            first += 1
+        if n:
+            views[first] = views[first][n:]

@@ -14,7 +14,7 @@ import torch
 
 from vllm_fastload.config import FastloadConfig
 from vllm_fastload.format import SafetensorsFile
-from vllm_fastload.readers.base import Pending, ReadCall, Reader, pread_into
+from vllm_fastload.readers.base import Pending, ReadCall, Reader, RowsCall, pread_into
 
 
 class CudaReader(Reader):
@@ -42,7 +42,7 @@ class CudaReader(Reader):
     def allocate(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
-    def submit(self, sf: SafetensorsFile, calls: Sequence[ReadCall]) -> Pending:
+    def submit(self, sf: SafetensorsFile, calls: Sequence[ReadCall | RowsCall]) -> Pending:
         pool = self.threads()
         futures = [pool.submit(self._stage_batch, sf.fd, sf.path, batch)
                    for batch in self.batches(calls, self.slot_size)]

@@ -17,7 +17,7 @@ import torch
 from vllm_fastload.config import FastloadConfig
 from vllm_fastload.errors import ReadError
 from vllm_fastload.format import SafetensorsFile
-from vllm_fastload.readers.base import Pending, ReadCall, Reader
+from vllm_fastload.readers.base import Pending, ReadCall, Reader, RowsCall
 
 
 def import_kvikio():
@@ -73,10 +73,10 @@ class KvikioReader(Reader):
             handle = self._files[path] = self._kvikio.CuFile(path, "r")
         return handle
 
-    def submit(self, sf: SafetensorsFile, calls: Sequence[ReadCall]) -> Pending:
+    def submit(self, sf: SafetensorsFile, calls: Sequence[ReadCall | RowsCall]) -> Pending:
         handle = self._cufile(sf.path)
         futures = []
-        for offset, length, dest in calls:
+        for offset, length, dest in self.plain_calls(calls):
             futures.append(_IOFuture(handle.pread(dest, length, offset), sf.path, offset, length))
         return Pending(futures)
 

@@ -1,0 +1,70 @@
+"""Fault in fresh destination memory in one call before reading into it.
+
+A read into memory nobody has touched yet takes a page fault per 4 KiB page inside the read.
+On our VMs that costs more than the copy itself: 1 GB of fresh memory filled by faults took
+0.50-0.59 s, the same pages faulted in by one ``madvise(MADV_POPULATE_WRITE)`` 0.31-0.37 s
+(Linux >= 5.14). Only pages that lie wholly inside a range about to be overwritten are
+touched, so what ends up in memory is the same; memory that is already resident (a reused
+buffer) is left alone, since walking it again costs ~0.05 s per GB for nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import mmap
+
+PAGE = mmap.PAGESIZE
+MADV_POPULATE_WRITE = 23
+#: Smaller ranges are not worth two system calls.
+MIN_BYTES = 256 << 10
+
+_libc = None
+_supported = True
+
+
+def _load_libc():
+    global _libc, _supported
+    if _libc is None:
+        try:
+            lib = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+            lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            lib.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+            _libc = lib
+        except (OSError, AttributeError):
+            _supported = False
+    return _libc
+
+
+def populate(address: int, nbytes: int) -> bool:
+    """Fault in the pages wholly inside ``[address, address + nbytes)`` if they look fresh.
+
+    Returns whether it did. Advice only: any failure leaves the reads to fault as usual.
+    """
+    lo = -(-address // PAGE) * PAGE
+    hi = (address + nbytes) // PAGE * PAGE
+    if not _supported or hi - lo < MIN_BYTES:
+        return False
+    libc = _load_libc()
+    if libc is None:
+        return False
+    if _resident(libc, lo) and _resident(libc, hi - PAGE):
+        return False
+    return _madvise_populate(libc, lo, hi - lo)
+
+
+def _resident(libc, page: int) -> bool:
+    vec = ctypes.c_ubyte(0)
+    if libc.mincore(page, PAGE, ctypes.byref(vec)) != 0:
+        return True  # cannot tell: treat as in use
+    return bool(vec.value & 1)
+
+
+def _madvise_populate(libc, start: int, length: int) -> bool:
+    global _supported
+    if libc.madvise(start, length, MADV_POPULATE_WRITE) == 0:
+        return True
+    if ctypes.get_errno() == errno.EINVAL:
+        _supported = False  # kernel older than 5.14: stop asking
+    return False
