@@ -1,6 +1,8 @@
 """One vLLM start, as a subprocess of the tests: load, digest every parameter on every rank, generate.
 
 Run: python scenario.py MODEL LOAD_FORMAT TP OUT.json [EXTRA_CONFIG_JSON]
+(SCENARIO_LLM_KWARGS: JSON of further ``LLM(...)`` arguments, e.g. pipeline_parallel_size;
+SCENARIO_GENERATE=0: load and digest only.)
 Writes {"digests": [per-rank dict], "tokens": [...], "logprobs": [...]} or {"error": "..."}.
 """
 
@@ -19,8 +21,11 @@ PROMPTS = [[1, 5, 9, 13, 21], [2, 7, 3]]
 def main() -> None:
     model, load_format, tp, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
     extra = json.loads(sys.argv[5]) if len(sys.argv) > 5 else None
-    if tp > 1:
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp)))
+    llm_kwargs = json.loads(os.environ.get("SCENARIO_LLM_KWARGS", "{}"))
+    world = tp * llm_kwargs.get("pipeline_parallel_size", 1)
+    if world > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
+                              "|".join(str(i % (os.cpu_count() or 1)) for i in range(world)))
     result: dict = {}
     try:
         from vllm import LLM, SamplingParams
@@ -30,8 +35,10 @@ def main() -> None:
         kwargs = {"model_loader_extra_config": extra} if extra is not None else {}
         llm = LLM(model=model, load_format=load_format, tensor_parallel_size=tp, max_model_len=128,
                   enforce_eager=True, dtype="bfloat16", skip_tokenizer_init=True, seed=0,
-                  distributed_executor_backend="mp" if tp > 1 else None, **kwargs)
+                  distributed_executor_backend="mp" if world > 1 else None, **kwargs, **llm_kwargs)
         result["digests"] = llm.apply_model(parameter_digests)
+        if os.environ.get("SCENARIO_GENERATE") == "0":
+            return
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                             SamplingParams(max_tokens=6, temperature=0, logprobs=3, detokenize=False))
         result["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
@@ -40,8 +47,9 @@ def main() -> None:
     except BaseException as exc:  # report, don't hide: the test asserts on it
         result["error"] = f"{type(exc).__name__}: {exc}"
         result["traceback"] = traceback.format_exc()
-    with open(out, "w") as f:
-        json.dump(result, f)
+    finally:
+        with open(out, "w") as f:
+            json.dump(result, f)
 
 
 if __name__ == "__main__":
