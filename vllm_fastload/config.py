@@ -28,11 +28,15 @@ def default_threads() -> int:
     8 threads 2.7 GB/s (page-fault contention); a cold-cache vLLM load of 1.67 GB took 3.2 s with
     2 threads, 2.9 s with 4 and 2.8 s with 8. Four is the compromise; big machines get one per core.
     """
+    return max(4, min(16, usable_cpus()))
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (vLLM-CPU binds each worker to its own cores)."""
     try:
-        cpus = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        cpus = os.cpu_count() or 2
-    return max(4, min(16, cpus))
+        return os.cpu_count() or 2
 
 
 class ConfigError(ValueError):

@@ -127,12 +127,38 @@ def test_cache_advice_only_for_pages_not_cached(tmp_path: Path, monkeypatch):
     try:
         os.pread(fd, 1 << 20, 0)                       # just written and read: cached
         calls = [(8, 4096, torch.empty(4096, dtype=torch.uint8))]
-        host.prefetch(fd, calls)
-        assert advised == ([] if hasattr(os, "RWF_NOWAIT") else [(8, 4096)])
+        cached = hasattr(os, "RWF_NOWAIT")
+        assert host.prefetch(fd, calls) is cached
+        assert advised == ([] if cached else [(8, 4096)])
         monkeypatch.setattr(host, "_cached", lambda fd, offsets: False)
-        host.prefetch(fd, calls)
+        assert host.prefetch(fd, calls) is False
         rows = Rows(8, 16, 64, 10, gaps=False)
-        host.prefetch(fd, [(rows, torch.empty(160, dtype=torch.uint8))])
+        assert host.prefetch(fd, [(rows, torch.empty(160, dtype=torch.uint8))]) is False
         assert advised[-2:] == [(8, 4096), (8, rows.span)]
     finally:
         os.close(fd)
+
+
+def test_copies_from_the_page_cache_use_no_more_threads_than_cpus(wide, monkeypatch):
+    """Cached reads are CPU work: on a rank bound to one core they run on one thread."""
+    path, w = wide
+    monkeypatch.setattr(host, "usable_cpus", lambda: 1)
+    with open_ckpt(path, {"threads": 4, "read_size": 4096}) as ckpt:
+        names: set[str] = set()
+        real = host._read_batch
+
+        def spy(*args):
+            import threading
+
+            names.add(threading.current_thread().name)
+            return real(*args)
+
+        monkeypatch.setattr(host, "_read_batch", spy)
+        assert_bitexact(ckpt.get_tensor(NAME), w)
+        cached = hasattr(os, "RWF_NOWAIT")
+        if cached:
+            assert len(names) == 1 and next(iter(names)).startswith("fastload-copy")
+        monkeypatch.setattr(host, "_cached", lambda fd, offsets: False)
+        names.clear()
+        assert_bitexact(ckpt.get_tensor(NAME), w)
+        assert all(n.startswith("fastload-host") for n in names)
