@@ -77,6 +77,10 @@ class Rows:
         """Bytes the reader moves: the segments, plus the gaps between them if ``gaps``."""
         return self.span if self.gaps else self.seg * self.count
 
+    def ranges(self) -> list[tuple[int, int]]:
+        """``(file offset, length)`` of each segment, in order."""
+        return [(self.offset + i * self.stride, self.seg) for i in range(self.count)]
+
     def split(self, first: int, count: int) -> Rows:
         """Rows ``[first, first + count)`` of this slice."""
         return Rows(self.offset + first * self.stride, self.seg, self.stride, count, self.gaps)
@@ -239,9 +243,8 @@ def plan_tensor(info: TensorInfo, request: TensorRequest, strided_min_skip: int)
         ranges = [(first, needed)] if needed else []
         return PlannedTensor(request, info, out_shape, "contiguous", ranges, needed, layer)
     if row - seg >= strided_min_skip:
-        ranges = [(first + i * row, seg) for i in range(outer)]
-        return PlannedTensor(request, info, out_shape, "strided", ranges, needed, layer,
-                             rows=Rows(first, seg, row, outer))
+        rows = Rows(first, seg, row, outer)
+        return PlannedTensor(request, info, out_shape, "strided", rows.ranges(), needed, layer, rows=rows)
     # Read from the first needed byte to the last and view it with the original strides.
     rows = Rows(first, seg, row, outer, gaps=True)
     strides = tuple(math.prod(shape[d + 1:]) for d in range(ndim))

@@ -128,8 +128,8 @@ class Reader(ABC):
         for call in calls:
             if isinstance(call[0], Rows):
                 rows, dest = call
-                seg = rows.seg
-                out += [(rows.offset + i * rows.stride, seg, dest[i * seg:(i + 1) * seg]) for i in range(rows.count)]
+                out += [(offset, length, dest[i * length:(i + 1) * length])
+                        for i, (offset, length) in enumerate(rows.ranges())]
             else:
                 out.append(call)
         return out
@@ -150,14 +150,16 @@ def pread_into(fd: int, path: str, offset: int, view: memoryview) -> None:
 
 
 def preadv_into(fd: int, path: str, offset: int, views: list[memoryview]) -> None:
-    """Fill ``views`` (in order) from the file bytes starting at ``offset``, like ``pread_into``."""
+    """Fill ``views`` (in order) from the file bytes starting at ``offset``, like ``pread_into``.
+
+    ``views`` is consumed: after a short read its first entries are dropped or narrowed.
+    """
     wanted = sum(len(v) for v in views)
     done = 0
     first = 0
     while done < wanted:
         try:
-            n = os.preadv(fd, views[first:first + IOV_MAX] if first or len(views) > IOV_MAX else views,
-                          offset + done)
+            n = os.preadv(fd, views[first:first + IOV_MAX], offset + done)
         except InterruptedError:
             continue
         except OSError as exc:
