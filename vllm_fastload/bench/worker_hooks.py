@@ -1,19 +1,29 @@
 """Benchmark instrumentation inside vLLM's worker processes (active only with FASTLOAD_BENCH_DIR set).
 
 Wraps ``load_weights`` of every registered loader to record, per rank: seconds, bytes the
-process read (``/proc/self/io``), RSS before and peak RSS after. Also registers ``zerofill``,
-a loader that reads nothing and only writes zeros into every parameter: the cost of
-touching fresh parameter memory, i.e. the floor for any CPU loader.
+process read (``/proc/self/io``), RSS before and peak RSS after. Also registers two
+reference loaders that read no file:
+
+- ``zerofill`` writes zeros into every parameter: the cost of touching fresh parameter
+  memory, the floor for any CPU loader;
+- ``memcopy`` copies into every parameter from a buffer already in memory: fresh memory plus
+  one memory-to-memory copy, the floor for any loader that delivers bytes (a warm page cache
+  is such a buffer; a real loader also pays for finding its pages and for its read calls).
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
 import os
 import time
 from pathlib import Path
 
 from vllm_fastload.bench.core import status_kb
+
+#: Numbers the loads of one process, so that a second load does not overwrite the first's record.
+_loads = itertools.count()
 
 
 def _io() -> dict[str, int]:
@@ -30,6 +40,7 @@ def _timed(cls, out_dir: Path):
     if getattr(original, "_fastload_timed", False):
         return
 
+    @functools.wraps(original)
     def load_weights(self, model, model_config):
         import torch.distributed as dist
 
@@ -43,7 +54,7 @@ def _timed(cls, out_dir: Path):
                   "seconds": seconds, "rchar": io_after["rchar"] - io_before["rchar"],
                   "read_bytes": io_after["read_bytes"] - io_before["read_bytes"],
                   "rss_before_kb": rss_before, "hwm_after_kb": status_kb("VmHWM")}
-        (out_dir / f"rank{rank}-{os.getpid()}.json").write_text(json.dumps(record))
+        (out_dir / f"rank{rank}-{os.getpid()}-{next(_loads)}.json").write_text(json.dumps(record))
         return result
 
     load_weights._fastload_timed = True
@@ -51,6 +62,7 @@ def _timed(cls, out_dir: Path):
 
 
 def install(out_dir: str) -> None:
+    import torch
     from vllm.model_executor import model_loader
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
@@ -64,9 +76,31 @@ def install(out_dir: str) -> None:
             for p in model.parameters():
                 p.data.zero_()
 
+    class MemCopyLoader(ZeroFillLoader):
+        """Reads nothing; copies into every parameter from one resident source buffer."""
+
+        #: Larger than any CPU cache, so the source comes from DRAM like page-cache pages do.
+        SOURCE_BYTES = 256 << 20
+
+        def __init__(self, load_config) -> None:
+            super().__init__(load_config)
+            # Filled here, before the timed load_weights: the page cache it stands for is resident too.
+            self.source = torch.full((self.SOURCE_BYTES,), 0x3C, dtype=torch.uint8)
+
+        def load_weights(self, model, model_config) -> None:
+            for p in model.parameters():
+                if not p.data.is_contiguous():
+                    p.data.zero_()
+                    continue
+                flat = p.data.reshape(-1).view(torch.uint8)
+                for start in range(0, flat.numel(), self.SOURCE_BYTES):
+                    part = flat[start:start + self.SOURCE_BYTES]
+                    part.copy_(self.source[:part.numel()])
+
     registry = model_loader._LOAD_FORMAT_TO_MODEL_LOADER
-    if "zerofill" not in registry:
-        model_loader.register_model_loader("zerofill")(ZeroFillLoader)
+    for name, cls in (("zerofill", ZeroFillLoader), ("memcopy", MemCopyLoader)):
+        if name not in registry:
+            model_loader.register_model_loader(name)(cls)
     path = Path(out_dir)
     for cls in set(registry.values()):
         _timed(cls, path)
