@@ -27,18 +27,51 @@ def import_kvikio():
     return kvikio
 
 
-def gds_available() -> bool:
-    """True when kvikio is installed and would use cuFile (not its POSIX compatibility mode)."""
+def gds_status() -> dict[str, object]:
+    """What kvikio would do on this machine: GPUDirect Storage, or a POSIX compatibility path.
+
+    ``auto`` and the GPU benchmark both need the truth, and kvikio's settings alone do not
+    tell it: ``KVIKIO_COMPAT_MODE`` defaults to ``AUTO`` (an ``IntEnum``, so ``bool()`` of it
+    is true and ``str()`` of it is ``"2"``), and even with compat mode off, cuFile itself
+    falls back to POSIX I/O when the nvidia-fs driver is absent. So GDS counts as active
+    only when kvikio does not prefer its compat mode *and* the cuFile driver reports GDS.
+    """
     try:
         kvikio = import_kvikio()
-    except ImportError:
-        return False
+    except Exception as exc:  # ImportError, or libkvikio/libcufile failing to load
+        return {"kvikio": None, "active": False, "why": f"kvikio is not usable: {type(exc).__name__}: {exc}"}
+    status: dict[str, object] = {"kvikio": getattr(kvikio, "__version__", "?")}
     defaults = kvikio.defaults
     try:
-        compat = defaults.get("compat_mode") if hasattr(defaults, "get") else defaults.compat_mode()
-    except Exception:
-        return False
-    return not bool(compat) or str(compat).upper().endswith("OFF")
+        if hasattr(defaults, "is_compat_mode_preferred"):  # kvikio >= 24.12: OFF / ON / AUTO
+            mode = defaults.get("compat_mode")
+            status["compat_mode"] = getattr(mode, "name", str(mode))
+            preferred = bool(defaults.is_compat_mode_preferred())
+        else:  # older kvikio: a bool
+            preferred = bool(defaults.compat_mode())
+            status["compat_mode"] = "ON" if preferred else "OFF"
+    except Exception as exc:
+        return {**status, "active": False, "why": f"kvikio compat mode unreadable: {exc}"}
+    status["compat_preferred"] = preferred
+    if preferred:
+        return {**status, "active": False, "why": "kvikio prefers its POSIX compat mode (cuFile unavailable or "
+                "KVIKIO_COMPAT_MODE=ON)"}
+    try:
+        import kvikio.cufile_driver
+
+        status["cufile_gds_available"] = bool(kvikio.cufile_driver.get("is_gds_available"))
+        status["cufile_allow_compat"] = bool(kvikio.cufile_driver.get("allow_compat_mode"))
+    except Exception as exc:
+        return {**status, "active": False, "why": f"cuFile driver properties unreadable: {exc}"}
+    if not status["cufile_gds_available"]:
+        return {**status, "active": False, "why": "cuFile is loaded but reports no GDS (no nvidia-fs): it reads "
+                "through its own POSIX compat path"}
+    return {**status, "active": True, "why": "cuFile with GDS"}
+
+
+def gds_available() -> bool:
+    """True when kvikio is usable and reads would really go through GPUDirect Storage."""
+    return bool(gds_status()["active"])
 
 
 class KvikioReader(Reader):
