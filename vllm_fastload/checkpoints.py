@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,3 +168,84 @@ def write_checkpoint(directory: str | Path, spec: ModelSpec | str = "tiny-llama"
     stamp.write_text(json.dumps(recipe))
     return out
 
+
+
+#: safetensors' names for the dtypes a ``ModelSpec`` may use.
+_SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+#: The random block that ``write_random_checkpoint`` rotates: 16 MiB plus an odd tail, so that
+#: its period lines up with no page, buffer or tensor boundary.
+_RANDOM_BLOCK = (16 << 20) + 4099
+
+
+def write_random_checkpoint(directory: str | Path, spec: ModelSpec | str, *, files: int = 4, seed: int = 0) -> Path:
+    """Write a checkpoint of random bytes at the speed of the disk, for benchmarks of many GB.
+
+    ``write_checkpoint`` draws normal values per tensor, which takes minutes for 8 GB on a few
+    cores; a loader benchmark needs no meaningful values. Here every tensor's bytes are
+    rotations (by a seeded random offset per 16 MiB piece) of one random block, written
+    without copying, so the files are incompressible and no two pieces look alike, while
+    writing costs nothing beyond the I/O. Floats may be NaN: compare such tensors bitwise.
+    The safetensors files are laid out by our own writer (header padded to 8 bytes, tensors in
+    Hugging Face order), then fsynced so that their pages are clean and can be evicted.
+    Idempotent like ``write_checkpoint``.
+    """
+    import numpy as np
+
+    spec = PRESETS[spec] if isinstance(spec, str) else spec
+    out = Path(directory)
+    stamp = out / ".fastload-checkpoint.json"
+    recipe = {"kind": "random-bytes", "spec": {**spec.__dict__, "dtype": str(spec.dtype)}, "files": files,
+              "seed": seed}
+    if stamp.exists() and json.loads(stamp.read_text()) == recipe:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    stamp.unlink(missing_ok=True)
+    for old in out.glob("*.safetensors*"):
+        old.unlink()
+    itemsize = torch.finfo(spec.dtype).bits // 8
+    shapes = [(name, shape, math.prod(shape) * itemsize) for name, shape in tensor_shapes(spec)]
+    total = sum(n for _, _, n in shapes)
+    # Shards of about equal size, in order, as Hugging Face writes them.
+    shards: list[list[tuple[str, tuple[int, ...], int]]] = [[]]
+    filled = 0
+    for item in shapes:
+        if shards[-1] and filled + item[2] > total / max(files, 1) * 1.0001 and len(shards) < files:
+            shards.append([])
+            filled = 0
+        shards[-1].append(item)
+        filled += item[2]
+    rng = np.random.default_rng(seed)
+    block = memoryview(rng.bytes(_RANDOM_BLOCK))
+    names = [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" if len(shards) > 1 else "model.safetensors"
+             for k in range(len(shards))]
+    weight_map: dict[str, str] = {}
+    for file_name, shard in zip(names, shards):
+        header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for name, shape, nbytes in shard:
+            header[name] = {"dtype": _SAFETENSORS_DTYPES[spec.dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+            weight_map[name] = file_name
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-(8 + len(raw)) % 8)
+        with open(out / file_name, "wb") as f:
+            f.write(len(raw).to_bytes(8, "little"))
+            f.write(raw)
+            left = offset
+            while left:
+                n = min(left, len(block))
+                k = int(rng.integers(len(block)))
+                first = min(n, len(block) - k)
+                f.write(block[k:k + first])
+                if n > first:
+                    f.write(block[:n - first])
+                left -= n
+            f.flush()
+            os.fsync(f.fileno())
+    if len(shards) > 1:
+        (out / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    (out / "config.json").write_text(json.dumps(hf_config(spec), indent=2))
+    stamp.write_text(json.dumps(recipe))
+    return out

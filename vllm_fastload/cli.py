@@ -43,6 +43,12 @@ def _bench_core(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _bench_gpu(args: argparse.Namespace) -> int:
+    from vllm_fastload.bench.gpu import main
+
+    return main(args)
+
+
 def _bench(args: argparse.Namespace) -> int:
     from vllm_fastload.bench.vllm import main
 
@@ -79,6 +85,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="bench-results")
     p.set_defaults(func=_bench_core)
+
+    p = sub.add_parser("bench-gpu", help="GPU backends vs safetensors, fastsafetensors, InstantTensor and the "
+                       "disk/H2D limits, warm and cold, TP=1 and TP=2 rank 1; --smoke: reduced CPU-only form")
+    p.add_argument("--smoke", action="store_true", help="tiny checkpoint, host backend, no GPU needed")
+    p.add_argument("--dir", default=None, help="checkpoint directory (default .fastload/bench-gpu; made if needed)")
+    p.add_argument("--layers", type=int, default=8, help="Llama-3-8B layers in the checkpoint (8: 5.6 GB)")
+    p.add_argument("--files", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--backends", default="cuda,kvikio", help="fastload backends to measure")
+    p.add_argument("--anchors", default="safetensors,fastsafetensors,instanttensor",
+                   help="other loaders to measure (those that cannot be imported are skipped, with the reason)")
+    p.add_argument("--time-limit", type=float, default=400,
+                   help="seconds after which no further repetition starts (checked between repetitions)")
+    p.add_argument("--out", default=None, help="JSON directory (default $OUT, else bench-results)")
+    p.set_defaults(func=_bench_gpu)
 
     p = sub.add_parser("bench", help="vLLM load_weights with fastload vs vLLM's loaders, in subprocesses")
     p.add_argument("--model", default=None, help="default: create the 1.67 GB bench-llama")
