@@ -1,7 +1,7 @@
 """The cuda and kvikio backends, and ``auto`` on a CUDA device, bit-exact against the oracle.
 
 These run only on a machine with CUDA (and, for kvikio, with kvikio installed); elsewhere
-they are skipped with the reason.
+they are skipped with the reason. ``scripts/gpu-check.sh`` runs them on a GPU machine.
 """
 
 from __future__ import annotations
@@ -11,12 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from vllm_fastload import TensorRequest
+from vllm_fastload import CheckpointError, TensorRequest
+from vllm_fastload.checkpoints import write_checkpoint
+from vllm_fastload.tp_rules import rank_requests
 
 from ._util import ALL_DTYPES, assert_bitexact, open_ckpt, random_tensor, save
-from .test_reading import Case, cases, check_case
+from .test_reading import Case, Spec, cases, check_case
 
 pytestmark = [
     pytest.mark.gpu,
@@ -31,6 +34,11 @@ GPU_CONFIGS = {
                 "strided_min_skip": 0},
     "enclosing": {"threads": 1, "read_size": 4096, "aggregate_size": 16384, "memory_budget": 1 << 20,
                   "strided_min_skip": 1 << 40},
+    # The smallest budget the cuda backend accepts: two 4 KiB pinned slots plus two 4 KiB
+    # chunk buffers. Every chunk holds one small tensor; anything bigger takes the oversize path.
+    "tiny": {"threads": 2, "read_size": 4096, "aggregate_size": 4096, "memory_budget": 16384},
+    # Chunks of three pages: tensors straddle chunk and read boundaries, reads split over threads.
+    "split": {"threads": 3, "read_size": 4096, "aggregate_size": 12288, "memory_budget": 65536},
     "default": {},
 }
 
@@ -88,10 +96,177 @@ def test_reads_match_safetensors_on_gpu(config_name: str, case: Case):
 
 
 @pytest.mark.skipif(not HAS_KVIKIO, reason="the kvikio backend needs the kvikio package")
+@pytest.mark.parametrize("config_name", sorted(GPU_CONFIGS))
 @settings(max_examples=10, deadline=None)
 @given(case=cases())
-def test_reads_match_safetensors_with_kvikio(case: Case):
-    check_case(case, dict(GPU_CONFIGS["small"], backend="kvikio"), device="cuda")
+def test_reads_match_safetensors_with_kvikio(config_name: str, case: Case):
+    check_case(case, dict(GPU_CONFIGS[config_name], backend="kvikio"), device="cuda")
+
+
+def odd_case() -> Case:
+    """Sizes and offsets that line up with nothing: not with 4 KiB pages (what GDS wants), not
+    with read_size or aggregate_size, not with each other; plus every dtype, sliced both ways.
+
+    Each request is checked by ``check_case`` through get_slice, iter_tensors and read_into
+    (contiguous destinations read directly, strided ones through a buffer).
+    """
+    specs = [
+        Spec("model.embed_tokens.a", (1,), torch.uint8, 0),
+        Spec("model.layers.0.b", (4095,), torch.uint8, 0),
+        Spec("model.layers.0.c", (4097,), torch.int8, 0),
+        Spec("model.layers.0.d", (3, 1365), torch.bfloat16, 0),        # 8190 bytes
+        Spec("model.layers.0.e", (1025, 3), torch.float32, 0),         # 12300 bytes
+        Spec("model.layers.1.f", (8193,), torch.uint8, 1),
+        Spec("model.layers.1.g", (513,), torch.float64, 1),
+        Spec("model.layers.1.h", (64, 129), torch.bfloat16, 1),        # bigger than the tiny budget
+        Spec("model.layers.1.i", (4096,), torch.uint8, 1),             # exactly one page
+        Spec("model.layers.2.j", (2049,), torch.int16, 1),
+        Spec("model.layers.2.k", (3, 4096), torch.int8, 1),            # rows of exactly one page
+    ]
+    specs += [Spec(f"model.layers.3.dtype{i}", (5, 7), dtype, i % 2) for i, dtype in enumerate(ALL_DTYPES)]
+    slices = {
+        "model.layers.0.b": [(0, 1, 4093)], "model.layers.0.c": [(0, 4096, 1), (0, 0, 0)],
+        "model.layers.0.d": [(1, 1, 700), (0, 1, 2), (-1, 1364, 1)], "model.layers.0.e": [(0, 1, 511), (1, 1, 2)],
+        "model.layers.1.f": [(0, 4095, 4098)], "model.layers.1.h": [(1, 3, 65), (0, 63, 1), (1, 0, 129)],
+        "model.layers.1.i": [(0, 4095, 1)], "model.layers.2.j": [(0, 2048, None)],
+        "model.layers.2.k": [(1, 1, 4094), (1, 2048, 2048), (0, 1, 1)],
+    }
+    for s in specs:
+        if s.name.startswith("model.layers.3."):
+            slices[s.name] = [(0, 1, 3), (1, 2, 3), (1, 6, 1)]
+    requests = []
+    for s in specs:
+        requests.append(TensorRequest(s.name, key=f"{s.name}#whole"))
+        requests += [TensorRequest(s.name, dim, start, length, key=f"{s.name}#{j}")
+                     for j, (dim, start, length) in enumerate(slices.get(s.name, []))]
+    kinds = ["contiguous" if i % 3 else "strided" for i in range(len(requests))]
+    return Case(specs, requests, nfiles=2, seed=11, dest_kind=kinds)
+
+
+def check_fixed_case(case: Case, config: dict, device: str = "cuda") -> None:
+    """``check_case`` on one given case (it records hypothesis events, so it runs under ``given``)."""
+
+    @settings(max_examples=1, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(st.just(case))
+    def run(c: Case) -> None:
+        check_case(c, config, device=device)
+
+    run()
+
+
+@pytest.mark.parametrize("config_name", ["tiny", "split", "strided", "enclosing", "default"])
+def test_odd_sizes_alignments_and_every_dtype_sliced(backend: str, config_name: str):
+    check_fixed_case(odd_case(), dict(GPU_CONFIGS[config_name], backend=backend))
+
+
+@pytest.mark.parametrize("config", [{}, {"strided_min_skip": 0}, {"strided_min_skip": 1 << 40}],
+                         ids=["default", "row-by-row", "enclosing"])
+def test_tp_rank_slices_on_gpu(tmp_path: Path, backend: str, config: dict):
+    """The benchmark's TP=2 rank-1 request set (dim-1 slices of row-parallel weights included),
+    read into device tensors, equals safetensors' slicing of the same files."""
+    from safetensors import safe_open
+
+    root = write_checkpoint(tmp_path / "ck", "tiny-llama", files=3)
+    with open_ckpt(root, dict(config, backend=backend), device="cuda") as ckpt:
+        requests = rank_requests(ckpt.checkpoint, 2, 1)
+        assert any(r.dim == 1 for r in requests)
+        wants = {}
+        for r in requests:
+            with safe_open(ckpt.info(r.name).file, "pt") as f:
+                part = f.get_slice(r.name)
+                wants[r.result_key] = (part[:] if r.dim is None else
+                                       part[(slice(None),) * r.dim + (slice(r.start, r.start + r.length),)])
+        dests = {r: torch.empty(wants[r.result_key].shape, dtype=wants[r.result_key].dtype, device="cuda")
+                 for r in requests}
+        stats = ckpt.read_into(dests)
+        torch.cuda.synchronize()
+        assert stats.bytes_read == ckpt.plan(requests).read_bytes < ckpt.checkpoint.total_bytes
+        for r, dest in dests.items():
+            assert_bitexact(dest, wants[r.result_key], r.result_key)
+
+
+def test_kept_views_survive_allocator_recycling(tmp_path: Path, backend: str):
+    """Views kept from ``iter_tensors`` never change while the caching allocator recycles the
+    memory around them: dropped buffers, freed junk and ``empty_cache`` all hand blocks back
+    out, and the reader keeps refilling its own buffers meanwhile."""
+    tensors = {f"model.layers.{i}.w": random_tensor((64, 64), torch.float32, i) for i in range(32)}  # 16 KiB
+    save(tmp_path / "m.safetensors", tensors)
+    config = {"backend": backend, "threads": 2, "read_size": 4096, "aggregate_size": 16384,
+              "memory_budget": 65536}
+    with open_ckpt(tmp_path, config, device="cuda") as ckpt:
+        kept = []
+        for i, (key, view) in enumerate(ckpt.iter_tensors()):
+            if i % 3 == 0:
+                kept.append((key, view))
+            # Scribble on blocks of the same size class as the reader's buffers, then free them.
+            junk = torch.full((16384,), 0xFF, dtype=torch.uint8, device="cuda")
+            del junk
+        del view
+        torch.cuda.empty_cache()
+        scribbles = [torch.full((16384,), 0xEE, dtype=torch.uint8, device="cuda") for _ in range(64)]
+        for _ in range(2):
+            copies = {k: v.clone() for k, v in ckpt.iter_tensors()}
+        dests = {k: torch.empty_like(t, device="cuda").t() for k, t in tensors.items()}  # strided: via buffers
+        ckpt.read_into(dests)
+        torch.cuda.synchronize()
+        for key, view in kept:
+            assert_bitexact(view, tensors[key], key)
+        for key, want in tensors.items():
+            assert_bitexact(copies[key], want, key)
+            assert_bitexact(dests[key], want, key)
+        assert all(bool((s == 0xEE).all()) for s in scribbles)
+
+
+@pytest.mark.parametrize("dest_layout", ["direct", "buffered", "iter"])
+def test_device_memory_stays_within_budget(tmp_path: Path, backend: str, dest_layout: str):
+    """torch's allocator peak during a load, beyond the destinations, is at most memory_budget
+    (the cuda backend's pinned staging, a quarter of it, is host memory); direct reads into
+    destinations on the device allocate no chunk buffer at all."""
+    tensors = {f"model.layers.{i // 4}.w{i % 4}": random_tensor((128, 256), torch.bfloat16, i)
+               for i in range(48)}  # 64 KiB each, 3 MiB in all
+    save(tmp_path / "m.safetensors", tensors)
+    budget, aggregate = 1 << 20, 256 << 10
+    config = {"backend": backend, "threads": 4, "read_size": 64 << 10, "aggregate_size": aggregate,
+              "memory_budget": budget}
+    with open_ckpt(tmp_path, config, device="cuda") as ckpt:
+        if dest_layout == "direct":
+            dests = {k: torch.empty(t.shape, dtype=t.dtype, device="cuda") for k, t in tensors.items()}
+            targets = dests
+        else:
+            wide = {k: torch.empty(t.shape[1], t.shape[0], dtype=t.dtype, device="cuda") for k, t in tensors.items()}
+            dests = {k: w.t() for k, w in wide.items()}  # non-contiguous: filled from read buffers
+            targets = dests
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        if dest_layout == "iter":
+            for key, view in ckpt.iter_tensors():
+                dests[key].copy_(view)
+            del view
+        else:
+            ckpt.read_into(targets)
+        torch.cuda.synchronize()
+        extra = torch.cuda.max_memory_allocated() - base
+        assert ckpt.last_stats.oversize_tensors == 0
+        assert ckpt.reader.staging_bytes <= budget // 4
+        assert extra <= budget - ckpt.reader.staging_bytes, f"{extra} bytes beyond the destinations"
+        if dest_layout == "direct":
+            assert extra < aggregate, f"direct reads allocated {extra} bytes on the device"
+        for key, want in tensors.items():
+            assert_bitexact(dests[key], want, key)
+
+
+def test_truncated_file_is_a_read_error_naming_it(tmp_path: Path, backend: str):
+    w = random_tensor((256, 256), torch.float32, 1)
+    path = save(tmp_path / "m.safetensors", {"model.layers.0.w": w})
+    with open_ckpt(path, {"backend": backend, "check_file_changes": False}, device="cuda") as ckpt:
+        with open(path, "r+b") as f:
+            f.truncate(path.stat().st_size - 100_000)
+        with pytest.raises(CheckpointError) as info:
+            ckpt.get_tensor("model.layers.0.w")
+        assert str(path) in str(info.value)
+        with pytest.raises(CheckpointError):
+            ckpt.read_into({"model.layers.0.w": torch.empty(256, 256, device="cuda")})
 
 
 def test_kept_views_never_change_on_gpu(tmp_path: Path, backend: str):
