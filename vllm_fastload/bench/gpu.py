@@ -428,14 +428,15 @@ def prepare(model: str, device: torch.device) -> Setup:
     return Setup(model, device, files, total, dests, tp_requests, tp_dests, reference)
 
 
-def fastload_loader(s: Setup, backend: str, tp: str, config: FastloadConfig) -> Loader:
+def fastload_loader(s: Setup, backend: str, tp: str, config: FastloadConfig, note: str = "") -> Loader:
+    """fastload as the vLLM loader uses it: open, then ``read_into`` the preallocated destinations."""
     targets = s.targets(tp)
 
     def run() -> int:
         with vllm_fastload.open(s.model, device=s.device, config=config) as ckpt:
             return ckpt.read_into(targets).bytes_read
 
-    return Loader(f"fastload-{backend}", tp, run)
+    return Loader(f"fastload-{backend}", tp, run, note)
 
 
 def safetensors_loader(s: Setup) -> Loader:
@@ -493,6 +494,7 @@ def build_loaders(s: Setup, backends: list[str], anchors: list[str], config: Fas
     """Every loader that can run here; the reasons for the others go into ``skipped``."""
     loaders: list[Loader] = []
     for backend in backends:
+        note = ""
         if backend == "kvikio":
             from vllm_fastload.readers.kvikio import gds_status
 
@@ -500,8 +502,9 @@ def build_loaders(s: Setup, backends: list[str], anchors: list[str], config: Fas
             if status["kvikio"] is None:
                 skipped["fastload-kvikio"] = str(status["why"])
                 continue
+            note = f"GDS active: {status['active']} ({status['why']})"
         cfg = FastloadConfig.build({**config.model_dump(), "backend": backend})
-        loaders += [fastload_loader(s, backend, TP1, cfg), fastload_loader(s, backend, TP2, cfg)]
+        loaders += [fastload_loader(s, backend, TP1, cfg, note), fastload_loader(s, backend, TP2, cfg, note)]
     for name in anchors:
         try:
             if name == "safetensors":

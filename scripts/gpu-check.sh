@@ -1,0 +1,130 @@
+#!/usr/bin/env bash
+# The whole GPU check in ONE device call, for a session whose task has the H200 machine:
+#
+#   here, once:   bash scripts/gpu-wheels.sh           # fills .whl/ (17 MiB, git-ignored)
+#   device tool:  run(command="bash scripts/gpu-check.sh", carry=[".whl"], timeout_s=600)
+#
+# On the bare GPU machine (Python 3.12, torch 2.11 + CUDA 13, no package index) it
+#   1. records the machine: GPU, driver, PCIe link, CPUs, memory, the filesystem and disk under
+#      the checkpoint, whether the GDS kernel driver (nvidia-fs) is loaded;
+#   2. installs the carried wheels into /tmp/site (PYTHONPATH=/tmp/site:$PWD);
+#   3. runs the GPU tests with pytest -rs: tests/core/test_gpu.py (every reader test that takes a
+#      CUDA device: cuda, kvikio and auto backends) and tests/core/test_bench_gpu.py (the
+#      benchmark's smoke form); GPU_CHECK_CORE=1 runs all of tests/core instead;
+#   4. runs `vllm-fastload bench-gpu` (as `python3 -m vllm_fastload bench-gpu`): a 5.6 GB
+#      checkpoint of 8 Llama-3-8B layers on the local disk, loaders interleaved, 3 repetitions,
+#      cold and warm, against the disk, page-cache and H2D limits, with its table and verdicts.
+# Everything printed goes to $OUT/gpu-check.log too; the JSON to $OUT/bench-gpu.json, test
+# results to $OUT/pytest-gpu.xml (bench-results/ where $OUT is unset). It stays inside
+# GPU_CHECK_BUDGET seconds (default 500; a device command may run 600): the tests get at most
+# GPU_CHECK_TESTS_S (default 200), the benchmark the rest, and stops starting repetitions in time.
+# Other knobs: GPU_CHECK_DIR (checkpoint directory), GPU_CHECK_LAYERS (8), GPU_CHECK_REPEATS (3),
+# and the usual FASTLOAD_* variables (e.g. FASTLOAD_MEMORY_BUDGET) for fastload's configuration.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT_DIR=${OUT:-bench-results}
+mkdir -p "$OUT_DIR"
+START=$SECONDS
+BUDGET=${GPU_CHECK_BUDGET:-500}
+
+fstype() { stat -f -c %T "$1" 2>/dev/null || echo "?"; }
+
+machine() {
+  echo "== machine ($(date -u +%FT%TZ))"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.current,pcie.link.width.current \
+    --format=csv 2>&1 || echo "nvidia-smi: not available"
+  echo "CPUs: $(nproc); $(free -g | awk '/^Mem:/{print "memory " $2 " GiB total, " $7 " GiB available"}')"
+  echo "kernel $(uname -r); user $(id -un)"
+  if [ -r /proc/driver/nvidia-fs/version ]; then
+    echo "nvidia-fs (GDS kernel driver): $(head -3 /proc/driver/nvidia-fs/version | tr '\n' ' ')"
+  else
+    echo "nvidia-fs (GDS kernel driver): not loaded: kvikio and cuFile can only use POSIX compat paths"
+  fi
+  lsblk -d -o NAME,ROTA,SIZE,MODEL 2>/dev/null
+}
+
+pick_dir() {
+  # The checkpoint must sit on a disk: tmpfs would make 'cold' and 'disk' mean memory.
+  local want=${GPU_CHECK_DIR:-}
+  if [ -n "$want" ]; then echo "$want"; return; fi
+  local d
+  for d in .fastload/bench-gpu /var/tmp/fastload-bench-gpu /tmp/fastload-bench-gpu; do
+    mkdir -p "$d" 2>/dev/null || continue
+    case "$(fstype "$d")" in tmpfs|ramfs) continue ;; esac
+    echo "$d"; return
+  done
+  echo .fastload/bench-gpu
+}
+
+main() {
+  local status=0 bench_status=0
+  machine
+
+  echo "== wheels"
+  if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl/*.whl 2>&1 | grep -v "Running pip as the 'root' user" || true
+    export PYTHONPATH=/tmp/site:$PWD
+  else
+    echo "WARNING: no .whl/ folder: run scripts/gpu-wheels.sh before the call and carry .whl"
+    export PYTHONPATH=$PWD
+  fi
+  # libkvikio finds libcufile through cuda-pathfinder; the library path is a fallback for it.
+  local cufile
+  cufile=$(python3 - <<'EOF' 2>/dev/null
+import glob, os, site, sys
+roots = site.getsitepackages() + [p for p in sys.path if p.endswith("site-packages")] + ["/usr/local/cuda/lib64"]
+for root in roots:
+    hits = sorted(glob.glob(os.path.join(root, "nvidia", "*", "lib", "libcufile.so.0"))
+                  + glob.glob(os.path.join(root, "nvidia", "cufile", "lib", "libcufile.so.0"))
+                  + glob.glob(os.path.join(root, "libcufile.so.0")))
+    if hits:
+        print(os.path.dirname(hits[0]))
+        break
+EOF
+)
+  if [ -n "$cufile" ]; then export LD_LIBRARY_PATH=$cufile${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}; fi
+  python3 - <<'EOF'
+import importlib, sys
+import torch
+print(f"python {sys.version.split()[0]} ({sys.executable}); torch {torch.__version__}, CUDA {torch.version.cuda}, "
+      f"cuda available: {torch.cuda.is_available()}")
+for name in ("vllm_fastload", "pydantic", "safetensors", "numpy", "cupy", "kvikio", "fastsafetensors",
+             "instanttensor", "pytest", "hypothesis"):
+    try:
+        module = importlib.import_module(name)
+        print(f"  {name} {getattr(module, '__version__', '')} ({module.__file__})")
+    except Exception as exc:
+        print(f"  {name}: NOT importable: {type(exc).__name__}: {exc}")
+try:
+    from vllm_fastload.readers.kvikio import gds_status
+    print(f"  GDS: {gds_status()}")
+except Exception as exc:
+    print(f"  GDS status failed: {type(exc).__name__}: {exc}")
+EOF
+
+  echo "== GPU tests ($((SECONDS - START)) s so far)"
+  local tests=(tests/core/test_gpu.py tests/core/test_bench_gpu.py)
+  if [ "${GPU_CHECK_CORE:-0}" = 1 ]; then tests=(tests/core); fi
+  # Only the plugins named here: the image's own pytest plugins must not meet the carried pytest.
+  PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 PYTHONUNBUFFERED=1 timeout -k 10 "${GPU_CHECK_TESTS_S:-200}" \
+    python3 -m pytest -rs -q -p pytest_timeout -p _hypothesis_pytestplugin -p no:cacheprovider --timeout 150 \
+    --junitxml "$OUT_DIR/pytest-gpu.xml" "${tests[@]}" || status=$?
+  echo "pytest exit status: $status"
+
+  local dir left
+  dir=$(pick_dir)
+  left=$((BUDGET - (SECONDS - START)))
+  echo "== bench-gpu ($((SECONDS - START)) s so far, $left s left); checkpoint in $dir ($(fstype "$dir"))"
+  df -h "$dir" | tail -1
+  PYTHONUNBUFFERED=1 timeout -k 10 "$left" python3 -m vllm_fastload bench-gpu --out "$OUT_DIR" --dir "$dir" \
+    --layers "${GPU_CHECK_LAYERS:-8}" --repeats "${GPU_CHECK_REPEATS:-3}" --time-limit $((left - 60)) \
+    || bench_status=$?
+  echo "bench-gpu exit status: $bench_status"
+  echo "== done in $((SECONDS - START)) s: tests $([ $status = 0 ] && echo passed || echo "FAILED ($status)"), bench $(
+    [ $bench_status = 0 ] && echo ok || echo "FAILED ($bench_status)")"
+  [ $status = 0 ] && [ $bench_status = 0 ]
+}
+
+main "$@" 2>&1 | tee "$OUT_DIR/gpu-check.log"
+exit "${PIPESTATUS[0]}"
