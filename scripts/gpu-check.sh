@@ -115,6 +115,7 @@ EOF
   local dir left
   dir=$(pick_dir)
   left=$((BUDGET - (SECONDS - START)))
+  if [ "$left" -lt 120 ]; then left=120; fi  # `timeout 0` would mean no limit at all
   echo "== bench-gpu ($((SECONDS - START)) s so far, $left s left); checkpoint in $dir ($(fstype "$dir"))"
   df -h "$dir" | tail -1
   PYTHONUNBUFFERED=1 timeout -k 10 "$left" python3 -m vllm_fastload bench-gpu --out "$OUT_DIR" --dir "$dir" \
