@@ -306,9 +306,11 @@ class DeviceMemory:
 
     def __exit__(self, *exc: object) -> None:
         if self.cuda:
-            torch.cuda.synchronize(self.device)
-            self._stop.set()
-            self._thread.join()
+            try:
+                torch.cuda.synchronize(self.device)
+            finally:
+                self._stop.set()
+                self._thread.join()
             free, total = torch.cuda.mem_get_info(self.device)
             self._peak = max(self._peak, total - free)
             self.alloc_extra = max(0, torch.cuda.max_memory_allocated(self.device) - self._base)
