@@ -63,27 +63,51 @@ main() {
   echo "== wheels"
   if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-      .whl/*.whl 2>&1 | grep -v "Running pip as the 'root' user" || true
+      .whl/*.whl 2>&1 | grep -v "Running pip as the 'root' user"
+    if [ "${PIPESTATUS[0]}" != 0 ]; then echo "WHEEL INSTALL FAILED: the steps below run without them"; fi
+    echo "installed $(ls .whl/*.whl | wc -l) wheels into /tmp/site"
     export PYTHONPATH=/tmp/site:$PWD
   else
     echo "WARNING: no .whl/ folder: run scripts/gpu-wheels.sh before the call and carry .whl"
     export PYTHONPATH=$PWD
   fi
-  # libkvikio finds libcufile through cuda-pathfinder; the library path is a fallback for it.
-  local cufile
-  cufile=$(python3 - <<'EOF' 2>/dev/null
-import glob, os, site, sys
+  # Native libraries the carried wheels dlopen by name: libkvikio finds libcufile through
+  # cuda-pathfinder (its directory goes on the library path as a fallback), and fastsafetensors
+  # dlopens the unversioned libcudart.so, which CUDA's pip wheels do not ship: it gets a link to
+  # the libcudart that torch itself loaded.
+  local libpath
+  libpath=$(python3 - /tmp/fastload-libs <<'EOF' 2>/dev/null
+import ctypes, glob, os, site, sys
+out = []
 roots = site.getsitepackages() + [p for p in sys.path if p.endswith("site-packages")] + ["/usr/local/cuda/lib64"]
 for root in roots:
     hits = sorted(glob.glob(os.path.join(root, "nvidia", "*", "lib", "libcufile.so.0"))
                   + glob.glob(os.path.join(root, "nvidia", "cufile", "lib", "libcufile.so.0"))
                   + glob.glob(os.path.join(root, "libcufile.so.0")))
     if hits:
-        print(os.path.dirname(hits[0]))
+        out.append(os.path.dirname(hits[0]))
         break
+try:
+    ctypes.CDLL("libcudart.so")
+except OSError:
+    import torch  # noqa: F401  (loads its libcudart.so.N)
+    links = sys.argv[1]
+    with open("/proc/self/maps") as maps:
+        found = [line.split()[-1] for line in maps if "/libcudart.so" in line]
+    if found:
+        os.makedirs(links, exist_ok=True)
+        target = os.path.join(links, "libcudart.so")
+        if os.path.lexists(target):
+            os.unlink(target)
+        os.symlink(found[0], target)
+        out.append(links)
+print(":".join(out))
 EOF
 )
-  if [ -n "$cufile" ]; then export LD_LIBRARY_PATH=$cufile${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}; fi
+  if [ -n "$libpath" ]; then
+    export LD_LIBRARY_PATH=$libpath${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    echo "library path for dlopen: $LD_LIBRARY_PATH"
+  fi
   python3 - <<'EOF'
 import importlib, sys
 import torch
