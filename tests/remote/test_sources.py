@@ -443,3 +443,27 @@ def test_failed_read_waits_for_every_request(s3) -> None:
     n = len(s3.proxy.records)
     time.sleep(0.3)
     assert len(s3.proxy.records) == n  # nothing still in flight after the error was reported
+
+
+def test_store_without_if_match_still_checks_etags(s3, s3_client, local_checkpoint, monkeypatch) -> None:
+    """A client that cannot send If-Match: reads go on unconditioned, and a replaced object is
+    still caught by the ETag of the response."""
+    import obstore
+    from obstore import exceptions as obstore_errors
+
+    real_get = obstore.get_async
+
+    async def get_without_if_match(store, path, *, options=None):
+        if options and options.get("if_match"):
+            raise obstore_errors.NotSupportedError("if_match not supported by this store")
+        return await real_get(store, path, options=options)
+
+    monkeypatch.setattr(obstore, "get_async", get_without_if_match)
+    key, data = _mutable_copy(s3, s3_client, local_checkpoint, "no-if-match.safetensors")
+    store, root = open_store(f"s3://{s3.bucket}/{key}", {**FAST, "max_in_flight": 1})
+    src = store.open(key)
+    buf = bytearray(src.size)
+    src.read_into(0, memoryview(buf))
+    assert buf == data and store.if_match is False
+    s3_client.put_object(Bucket=s3.bucket, Key=key, Body=bytes(reversed(data)))
+    fail(lambda: src.read_into(0, memoryview(buf), tensor="w"), FileChangedError, root.uri, "w")

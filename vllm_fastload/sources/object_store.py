@@ -273,6 +273,9 @@ class Store:
         self.config = config
         self.in_flight = in_flight
         self._client = _make_client(self.root, config)
+        #: Whether GETs carry If-Match; a store whose client cannot send it falls back to
+        #: comparing each response's ETag (the check that also catches stores ignoring it).
+        self.if_match = True
         self._semaphore: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None  # per loop
         #: Longest a request may take, retries included; past it the request is abandoned.
         self.deadline_s = config.retry_timeout_s + config.timeout_s + config.connect_timeout_s + 5.0
@@ -323,11 +326,17 @@ class Store:
         uri = self.uri_of(key)
         action = f"GET bytes {start}-{end - 1}"
         options: dict[str, Any] = {"range": (start, end)}
-        if pinned is not None and pinned.etag is not None:
+        if pinned is not None and pinned.etag is not None and self.if_match:
             options["if_match"] = pinned.etag
 
         async def fetch() -> tuple[memoryview, ObjectInfo]:
-            result = await obstore.get_async(self._client, key, options=options)
+            try:
+                result = await obstore.get_async(self._client, key, options=options)
+            except obstore_errors.NotSupportedError:
+                if options.pop("if_match", None) is None:
+                    raise
+                self.if_match = False
+                result = await obstore.get_async(self._client, key, options=options)
             data = memoryview(await result.bytes_async())
             return data, _info(uri, key, result.meta)
 
