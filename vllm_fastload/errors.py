@@ -62,3 +62,11 @@ class ReadError(CheckpointError):
 
 class FileChangedError(CheckpointError):
     """The file's size or mtime changed while it was being read: its bytes can't be trusted."""
+
+
+class AccessDeniedError(CheckpointError):
+    """The object store refused the request: credentials missing, wrong or expired, or lacking permission."""
+
+
+class StoreUnavailableError(ReadError):
+    """The object store could not be reached, or kept failing (timeouts, throttling, 5xx) past the retry limit."""

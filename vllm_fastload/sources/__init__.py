@@ -1,0 +1,51 @@
+"""Where checkpoint bytes come from: local files (``preadv``, in ``format``/``readers``) or
+object stores (ranged GETs through obstore, in ``sources.object_store``).
+
+Importing this package costs nothing: obstore is imported only when a URI needs it
+(``pip install 'vllm-fastload[remote]'``). ``is_remote`` tells a URI from a local path.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm_fastload.sources.config import RemoteConfig
+from vllm_fastload.sources.uri import SCHEMES, ObjectURI, is_remote
+
+if TYPE_CHECKING:
+    from vllm_fastload.sources.object_store import (
+        ObjectInfo,
+        ObjectSource,
+        RemoteLayout,
+        RemoteSafetensors,
+        Store,
+    )
+
+__all__ = [
+    "SCHEMES",
+    "ObjectInfo",
+    "ObjectSource",
+    "ObjectURI",
+    "RemoteConfig",
+    "RemoteLayout",
+    "RemoteSafetensors",
+    "Store",
+    "discover",
+    "is_remote",
+    "list_objects",
+    "open_store",
+    "read_safetensors_header",
+    "read_safetensors_headers",
+]
+
+_LAZY = {"ObjectInfo", "ObjectSource", "RemoteLayout", "RemoteSafetensors", "Store", "discover",
+         "list_objects", "open_store", "read_safetensors_header", "read_safetensors_headers"}
+
+
+def __getattr__(name: str) -> Any:
+    """Names from ``object_store`` on first use, so that obstore loads only for a URI."""
+    if name in _LAZY:
+        from vllm_fastload.sources import object_store
+
+        return getattr(object_store, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
