@@ -11,14 +11,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import stat as stat_module
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from vllm_fastload.errors import (
     CheckpointError,
-    FileChangedError,
     HeaderError,
     IndexMismatchError,
     MissingFileError,
@@ -26,6 +25,10 @@ from vllm_fastload.errors import (
     TensorNotFoundError,
     TruncatedFileError,
 )
+from vllm_fastload.sources.base import Source
+from vllm_fastload.sources.config import RemoteConfig
+from vllm_fastload.sources.local import FileIdentity, LocalSource
+from vllm_fastload.sources.uri import is_remote
 
 #: Bits per element of every dtype safetensors 0.8 knows.
 DTYPE_BITS: dict[str, int] = {
@@ -67,77 +70,42 @@ class TensorInfo:
         return DTYPE_BITS[self.dtype]
 
 
-@dataclass(frozen=True)
-class FileIdentity:
-    """What we compare to notice a file that changes while we read it."""
-
-    size: int
-    mtime_ns: int
-    inode: int
-
-    @classmethod
-    def of(cls, st: os.stat_result) -> FileIdentity:
-        return cls(st.st_size, st.st_mtime_ns, st.st_ino)
-
-
 @dataclass
 class SafetensorsFile:
-    """One parsed file; holds an open descriptor so later reads see the same inode."""
+    """One parsed file or object and the ``Source`` its bytes come from.
 
-    path: str
+    A local file's source holds its descriptor open, so later reads see the same inode.
+    """
+
+    source: Source
     data_offset: int
     tensors: dict[str, TensorInfo]
     metadata: dict[str, str]
-    identity: FileIdentity
-    fd: int = field(repr=False, default=-1)
+
+    @property
+    def path(self) -> str:
+        """The path or URI (what ``TensorInfo.file`` and every message name)."""
+        return self.source.uri
+
+    @property
+    def fd(self) -> int | None:
+        """The local file's descriptor (the host reader's ``preadv`` target); None for an object."""
+        return self.source.fd
+
+    @property
+    def is_local(self) -> bool:
+        return isinstance(self.source, LocalSource)
+
+    @property
+    def identity(self) -> FileIdentity | None:
+        return self.source.identity if isinstance(self.source, LocalSource) else None
 
     def check_unchanged(self) -> None:
-        """Raise FileChangedError if the file was modified since its header was parsed."""
-        try:
-            now = FileIdentity.of(os.fstat(self.fd))
-        except OSError as exc:
-            raise FileChangedError(f"cannot stat file: {exc.strerror}", file=self.path) from exc
-        if now.size != self.identity.size or now.mtime_ns != self.identity.mtime_ns:
-            raise FileChangedError(
-                f"file changed while loading (size {self.identity.size} -> {now.size}, "
-                f"mtime_ns {self.identity.mtime_ns} -> {now.mtime_ns}); refusing to use "
-                "bytes that may be a mix of old and new contents",
-                file=self.path,
-            )
+        """Raise FileChangedError if the file (or object) was modified since its header was parsed."""
+        self.source.check_unchanged()
 
     def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-
-def _open_for_read(path: str) -> int:
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError as exc:
-        raise MissingFileError("file does not exist", file=path) from exc
-    except OSError as exc:
-        raise MissingFileError(f"cannot open file: {exc.strerror}", file=path) from exc
-    if stat_module.S_ISDIR(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise MissingFileError("expected a .safetensors file, found a directory", file=path)
-    return fd
-
-
-def _pread_exact(fd: int, length: int, offset: int, path: str, what: str) -> bytes:
-    try:
-        data = os.pread(fd, length, offset)
-    except OSError as exc:
-        raise HeaderError(f"cannot read {what}: {exc.strerror}", file=path) from exc
-    # A regular file returns short only at EOF; loop anyway for exotic filesystems.
-    while len(data) < length:
-        more = os.pread(fd, length - len(data), offset + len(data))
-        if not more:
-            raise TruncatedFileError(
-                f"file ends inside the {what} (wanted {length} bytes at offset {offset}, "
-                f"got {len(data)})", file=path)
-        data += more
-    return data
+        self.source.close()
 
 
 def _reject_duplicate_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
@@ -227,36 +195,44 @@ def parse_header_bytes(path: str, raw: bytes, data_len: int) -> tuple[dict[str, 
     return entries, metadata
 
 
+def header_length(path: str, first8: bytes | memoryview, size: int) -> int:
+    """The header length a file's first 8 bytes state, checked against the file's size."""
+    if size == 0:
+        raise HeaderError("file is empty", file=path)
+    if size < 8:
+        raise HeaderError(f"file is {size} bytes, too short for the 8-byte header length", file=path)
+    n = int.from_bytes(bytes(first8[:8]), "little")
+    if n > MAX_HEADER_BYTES:
+        raise HeaderError(f"header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit; this is not a "
+                          "safetensors file or it is corrupt", file=path)
+    if n > size - 8:
+        raise HeaderError(f"header length {n} reaches beyond the end of the {size}-byte file", file=path)
+    return n
+
+
+def parse_file(source: Source, header: bytes) -> SafetensorsFile:
+    """A ``SafetensorsFile`` from a source and its header's JSON bytes (the ``header_length`` bytes after
+    the first 8): local files and objects differ only in how those bytes were fetched."""
+    data_offset = 8 + len(header)
+    path = source.uri
+    entries, metadata = parse_header_bytes(path, header, source.size - data_offset)
+    tensors = {
+        name: TensorInfo(name, path, dtype, shape, data_offset + begin, data_offset + end)
+        for name, (dtype, shape, begin, end) in entries.items()
+    }
+    return SafetensorsFile(source, data_offset, tensors, metadata)
+
+
 def read_safetensors_file(path: str | os.PathLike) -> SafetensorsFile:
-    """Open and validate one file. The descriptor stays open (see SafetensorsFile)."""
-    path = os.fspath(path)
-    fd = _open_for_read(path)
+    """Open and validate one local file. The descriptor stays open (see SafetensorsFile)."""
+    source = LocalSource(path)
     try:
-        st = os.fstat(fd)
-        size = st.st_size
-        if size == 0:
-            raise HeaderError("file is empty", file=path)
-        if size < 8:
-            raise HeaderError(f"file is {size} bytes, too short for the 8-byte header length", file=path)
-        header_len = int.from_bytes(_pread_exact(fd, 8, 0, path, "header length"), "little")
-        if header_len > MAX_HEADER_BYTES:
-            raise HeaderError(
-                f"header length {header_len} exceeds the {MAX_HEADER_BYTES}-byte limit; "
-                "this is not a safetensors file or it is corrupt", file=path)
-        if header_len > size - 8:
-            raise HeaderError(
-                f"header length {header_len} reaches beyond the end of the {size}-byte file",
-                file=path)
-        raw = _pread_exact(fd, header_len, 8, path, "header")
-        data_offset = 8 + header_len
-        entries, metadata = parse_header_bytes(path, raw, size - data_offset)
-        tensors = {
-            name: TensorInfo(name, path, dtype, shape, data_offset + begin, data_offset + end)
-            for name, (dtype, shape, begin, end) in entries.items()
-        }
-        return SafetensorsFile(path, data_offset, tensors, metadata, FileIdentity.of(st), fd)
+        size = source.size
+        first8 = source.read_exact(0, 8, "header length") if size >= 8 else b""
+        n = header_length(source.path, first8, size)
+        return parse_file(source, source.read_exact(8, n, "header"))
     except BaseException:
-        os.close(fd)
+        source.close()
         raise
 
 
@@ -283,7 +259,15 @@ class Checkpoint:
             raise
 
     @classmethod
-    def discover(cls, path: str | os.PathLike) -> Checkpoint:
+    def discover(cls, path: str | os.PathLike, *, remote: RemoteConfig | Mapping[str, Any] | None = None,
+                 memory_budget: int | None = None) -> Checkpoint:
+        """The checkpoint at a local path or an object store URI (``s3://bucket/prefix``, ...).
+
+        ``remote`` configures the object store client and ``memory_budget`` bounds its requests
+        in flight; both are ignored for local paths.
+        """
+        if is_remote(path):
+            return cls._discover_remote(str(path), remote, memory_budget)
         root = Path(path)
         if root.is_file():
             return cls([read_safetensors_file(root)], source=str(root))
@@ -301,15 +285,27 @@ class Checkpoint:
         return cls(_read_all(shards), source=str(root))
 
     @classmethod
+    def _discover_remote(cls, uri: str, remote: RemoteConfig | Mapping[str, Any] | None,
+                         memory_budget: int | None) -> Checkpoint:
+        """Objects found by the same rules as a directory; all headers fetched concurrently."""
+        from vllm_fastload.sources import object_store  # obstore loads only for a URI
+
+        store, root = object_store.open_store(uri, dict(remote) if isinstance(remote, Mapping) else remote,
+                                              memory_budget=memory_budget)
+        layout = object_store.discover(store, root)
+        ckpt = cls(object_store.read_safetensors_headers(store, layout.keys), source=root.uri)
+        if layout.weight_map is not None:
+            index = layout.index_key.rsplit("/", 1)[-1]
+            ckpt._check_index(index, layout.weight_map, lambda f: store.uri_of(root.child(f).key))
+        return ckpt
+
+    @classmethod
     def _from_index(cls, root: Path, index: Path) -> Checkpoint:
         try:
-            doc = json.loads(index.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            text = index.read_bytes()
+        except OSError as exc:
             raise HeaderError(f"cannot read index: {exc}", file=index) from exc
-        weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
-        if not isinstance(weight_map, dict) or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
-            raise HeaderError("index has no 'weight_map' of tensor name -> file name", file=index)
+        weight_map = parse_weight_map(str(index), text)
         wanted_files: dict[str, str] = {}
         for name, filename in weight_map.items():
             wanted_files.setdefault(filename, name)
@@ -319,25 +315,27 @@ class Checkpoint:
                     f"index {index.name} maps tensors to this file but it does not exist",
                     file=root / filename, tensor=example)
         ckpt = cls(_read_all(root / f for f in wanted_files), source=str(root))
-        try:
-            ckpt._check_index(index, root, weight_map)
-        except BaseException:
-            ckpt.close()  # no descriptor outlives a checkpoint that failed to open
-            raise
+        ckpt._check_index(index.name, weight_map, lambda f: str(root / f))
         return ckpt
 
-    def _check_index(self, index: Path, root: Path, weight_map: dict[str, str]) -> None:
-        for name, filename in weight_map.items():
-            info = self.tensors.get(name)
-            expected = str(root / filename)
-            if info is None:
-                raise IndexMismatchError(
-                    f"index {index.name} says this tensor is in {filename} but that file does not hold it",
-                    file=expected, tensor=name)
-            if info.file != expected:
-                raise IndexMismatchError(
-                    f"index {index.name} maps this tensor to {filename} but it is in {Path(info.file).name}",
-                    file=info.file, tensor=name)
+    def _check_index(self, index: str, weight_map: dict[str, str], expected_of: Callable[[str], str]) -> None:
+        """Every tensor the index names is in the file it names (``expected_of(file name)``);
+        on failure the checkpoint is closed, so no descriptor outlives it."""
+        try:
+            for name, filename in weight_map.items():
+                info = self.tensors.get(name)
+                expected = expected_of(filename)
+                if info is None:
+                    raise IndexMismatchError(
+                        f"index {index} says this tensor is in {filename} but that file does not hold it",
+                        file=expected, tensor=name)
+                if info.file != expected:
+                    raise IndexMismatchError(
+                        f"index {index} maps this tensor to {filename} but it is in {_basename(info.file)}",
+                        file=info.file, tensor=name)
+        except BaseException:
+            self.close()
+            raise
 
     def add_file(self, sf: SafetensorsFile) -> None:
         """Add a file (also after construction: TGI adds speculator files to its routing)."""
@@ -356,6 +354,9 @@ class Checkpoint:
         path = os.fspath(path)
         sf = self.files.get(path)
         if sf is None:
+            if is_remote(path):
+                raise MissingFileError("object is not part of this checkpoint (objects are found when it "
+                                       "is opened)", file=path)
             sf = read_safetensors_file(path)
             try:
                 self.add_file(sf)
@@ -384,8 +385,30 @@ class Checkpoint:
         return iter(self.tensors)
 
     @property
+    def is_remote(self) -> bool:
+        """Whether the files are objects in a store (read by ranged GETs, no descriptors)."""
+        return any(not sf.is_local for sf in self.files.values())
+
+    @property
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
+
+
+def _basename(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[-1]
+
+
+def parse_weight_map(path: str, text: bytes) -> dict[str, str]:
+    """An index's ``weight_map`` (tensor -> file name), validated; errors name ``path``."""
+    try:
+        doc = json.loads(text.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise HeaderError(f"cannot read index: {exc}", file=path) from None
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise HeaderError("index has no 'weight_map' of tensor name -> file name", file=path)
+    return weight_map
 
 
 def _read_all(paths: Iterable[Path | str]) -> list[SafetensorsFile]:

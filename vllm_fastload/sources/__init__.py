@@ -1,5 +1,6 @@
-"""Where checkpoint bytes come from: local files (``preadv``, in ``format``/``readers``) or
-object stores (ranged GETs through obstore, in ``sources.object_store``).
+"""Where checkpoint bytes come from: a ``Source`` (``sources.base``) is a local file
+(``LocalSource``: a descriptor the host reader ``preadv``s) or an object (``ObjectSource``:
+ranged GETs through obstore, in ``sources.object_store``).
 
 Importing this package costs nothing: obstore is imported only when a URI needs it
 (``pip install 'vllm-fastload[remote]'``). ``is_remote`` tells a URI from a local path.
@@ -9,7 +10,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from vllm_fastload.sources.base import Source
 from vllm_fastload.sources.config import RemoteConfig
+from vllm_fastload.sources.local import LocalSource
 from vllm_fastload.sources.uri import SCHEMES, ObjectURI, is_remote
 
 if TYPE_CHECKING:
@@ -17,18 +20,18 @@ if TYPE_CHECKING:
         ObjectInfo,
         ObjectSource,
         RemoteLayout,
-        RemoteSafetensors,
         Store,
     )
 
 __all__ = [
     "SCHEMES",
+    "LocalSource",
     "ObjectInfo",
     "ObjectSource",
     "ObjectURI",
     "RemoteConfig",
     "RemoteLayout",
-    "RemoteSafetensors",
+    "Source",
     "Store",
     "discover",
     "is_remote",
@@ -38,7 +41,7 @@ __all__ = [
     "read_safetensors_headers",
 ]
 
-_LAZY = {"ObjectInfo", "ObjectSource", "RemoteLayout", "RemoteSafetensors", "Store", "discover",
+_LAZY = {"ObjectInfo", "ObjectSource", "RemoteLayout", "Store", "discover",
          "list_objects", "open_store", "read_safetensors_header", "read_safetensors_headers"}
 
 

@@ -21,7 +21,6 @@ Requests run on one asyncio loop per process (a daemon thread); callers get
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import re
 import threading
@@ -51,7 +50,7 @@ from vllm_fastload.errors import (
     ReadError,
     StoreUnavailableError,
 )
-from vllm_fastload.format import INDEX_NAME, MAX_HEADER_BYTES, TensorInfo, parse_header_bytes
+from vllm_fastload.format import INDEX_NAME, SafetensorsFile, header_length, parse_file, parse_weight_map
 from vllm_fastload.sources.config import RemoteConfig
 from vllm_fastload.sources.uri import ObjectURI
 
@@ -461,6 +460,11 @@ class ObjectSource:
     def etag(self) -> str | None:
         return self.info.etag
 
+    @property
+    def fd(self) -> None:
+        """No descriptor: readers fill buffers through ``submit_ranges_into``."""
+        return None
+
     def __repr__(self) -> str:
         return f"ObjectSource({self.uri!r}, size={self.size}, etag={self.etag!r})"
 
@@ -579,63 +583,26 @@ def coalesce(ranges: Sequence[tuple[int, memoryview]], gap: int, request_size: i
 # --------------------------------------------------------------------------- safetensors
 
 
-@dataclass
-class RemoteSafetensors:
-    """One parsed safetensors object: like ``format.SafetensorsFile`` with an ObjectSource for the fd."""
-
-    source: ObjectSource
-    data_offset: int
-    tensors: dict[str, TensorInfo]
-    metadata: dict[str, str]
-
-    @property
-    def path(self) -> str:
-        return self.source.uri
-
-
-def header_length(path: str, first8: bytes | memoryview, size: int) -> int:
-    """The header length a file's first 8 bytes state, checked against the file's size.
-
-    Same rules and words as ``format.read_safetensors_file`` (see the seam proposed there).
-    """
-    if size == 0:
-        raise HeaderError("file is empty", file=path)
-    if size < 8:
-        raise HeaderError(f"file is {size} bytes, too short for the 8-byte header length", file=path)
-    n = int.from_bytes(bytes(first8[:8]), "little")
-    if n > MAX_HEADER_BYTES:
-        raise HeaderError(f"header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit; this is not a "
-                          "safetensors file or it is corrupt", file=path)
-    if n > size - 8:
-        raise HeaderError(f"header length {n} reaches beyond the end of the {size}-byte file", file=path)
-    return n
-
-
-def read_safetensors_header(store: Store, key: str) -> RemoteSafetensors:
+def read_safetensors_header(store: Store, key: str) -> SafetensorsFile:
     """Open ``key`` and parse its header: one GET of ``header_prefetch`` bytes, a second only if the
     header is longer. The object is pinned by the first response's size and ETag."""
     return store.run(_read_header(store, key), uri=store.uri_of(key), rounds=3)
 
 
-async def _read_header(store: Store, key: str) -> RemoteSafetensors:
+async def _read_header(store: Store, key: str) -> SafetensorsFile:
     source, head = await store._open_with_prefix(key, int(store.config.header_prefetch))
-    uri = source.uri
-    n = header_length(uri, head, source.size)
+    n = header_length(source.uri, head, source.size)
     raw = bytes(head[8:8 + n])
     if len(raw) < n:
         rest, _ = await source._get(8 + len(raw), 8 + n, None)
         raw += bytes(rest)
-    data_offset = 8 + n
-    entries, metadata = parse_header_bytes(uri, raw, source.size - data_offset)
-    tensors = {name: TensorInfo(name, uri, dtype, shape, data_offset + begin, data_offset + end)
-               for name, (dtype, shape, begin, end) in entries.items()}
-    return RemoteSafetensors(source, data_offset, tensors, metadata)
+    return parse_file(source, raw)
 
 
-def read_safetensors_headers(store: Store, keys: Sequence[str]) -> list[RemoteSafetensors]:
+def read_safetensors_headers(store: Store, keys: Sequence[str]) -> list[SafetensorsFile]:
     """Headers of many objects, requested concurrently (a 100-shard checkpoint opens in ~one round trip)."""
 
-    async def all_headers() -> list[RemoteSafetensors]:
+    async def all_headers() -> list[SafetensorsFile]:
         results = await asyncio.gather(*(_read_header(store, k) for k in keys), return_exceptions=True)
         for r in results:
             if isinstance(r, BaseException):
@@ -657,19 +624,6 @@ class RemoteLayout:
     keys: list[str]
     index_key: str | None = None
     weight_map: dict[str, str] | None = None
-
-
-def parse_weight_map(path: str, text: bytes) -> dict[str, str]:
-    """An index's ``weight_map`` (tensor -> file name), validated like ``format.Checkpoint``."""
-    try:
-        doc = json.loads(text.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise HeaderError(f"cannot read index: {exc}", file=path) from None
-    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
-    if not isinstance(weight_map, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
-        raise HeaderError("index has no 'weight_map' of tensor name -> file name", file=path)
-    return weight_map
 
 
 def discover(store: Store, root: ObjectURI) -> RemoteLayout:
