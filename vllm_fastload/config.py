@@ -14,6 +14,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from vllm_fastload.errors import ConfigError
+from vllm_fastload.sources.config import RemoteConfig
+
 ENV_PREFIX = "FASTLOAD_"
 #: Variables with our prefix that are switches, not config fields.
 _NON_CONFIG_ENV = {"FASTLOAD_TGI", "FASTLOAD_BENCH_DIR", "FASTLOAD_TEST_EVENTS"}
@@ -37,10 +40,6 @@ def usable_cpus() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 2
-
-
-class ConfigError(ValueError):
-    """A configuration value is unknown or invalid; the message names the field."""
 
 
 class FastloadConfig(BaseModel):
@@ -70,6 +69,8 @@ class FastloadConfig(BaseModel):
     check_file_changes: bool = Field(True, description="Fail if a file's size or mtime changes during the load.")
     hugepages: bool = Field(True, description="Ask for transparent huge pages on host buffers "
                             "(fresh memory is ~6x faster to fill that way).")
+    remote: RemoteConfig = Field(default_factory=RemoteConfig, description="Object store settings for "
+                                 "s3://, gs://, az:// and http(s):// checkpoints (see sources.config).")
 
     @field_validator("on_layer_ready", mode="before")
     @classmethod

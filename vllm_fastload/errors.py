@@ -9,6 +9,10 @@ from __future__ import annotations
 import os
 
 
+class ConfigError(ValueError):
+    """A configuration value is unknown or invalid; the message names the field."""
+
+
 class CheckpointError(Exception):
     """Base class: something about the checkpoint (or reading it) is wrong."""
 

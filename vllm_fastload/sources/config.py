@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
-from vllm_fastload.config import ConfigError
+from vllm_fastload.errors import ConfigError
 
 
 class RemoteConfig(BaseModel):
