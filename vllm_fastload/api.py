@@ -41,7 +41,8 @@ class FastCheckpoint:
         self.device = torch.device(device)
         # A Checkpoint the caller assembled (e.g. TGI's routing, which grows after construction)
         # is used as is; a path is discovered.
-        self.checkpoint = path if isinstance(path, Checkpoint) else Checkpoint.discover(path)
+        self.checkpoint = path if isinstance(path, Checkpoint) else Checkpoint.discover(
+            path, remote=self.config.remote, memory_budget=int(self.config.memory_budget))
         self.show_progress = self.config.progress if show_progress is None else show_progress
         for callback in self.config.on_layer_ready:
             resolve_callback(callback)  # a typo in "module:function" fails here, not mid-load
@@ -85,13 +86,17 @@ class FastCheckpoint:
         if self._closed:
             raise ValueError(f"checkpoint {self.checkpoint.source} is closed")
         if self._reader is None:
-            self._reader = make_reader(self.config, self.device)
+            self._reader = make_reader(self.config, self.device, remote=self.checkpoint.is_remote)
         return self._reader
 
     @property
     def strided_min_skip(self) -> int:
+        """Configured, else decided by the source kind: for objects the store's ``coalesce_gap`` (a
+        request costs about as much as that many bytes), for local files the reader's default."""
         if self.config.strided_min_skip is not None:
             return int(self.config.strided_min_skip)
+        if self.checkpoint.is_remote:
+            return int(self.config.remote.coalesce_gap)
         return self.reader.default_strided_min_skip
 
     def plan(self, requests: Iterable[RequestLike] | None = None, *,
@@ -210,5 +215,6 @@ class FastCheckpoint:
 
 def open(path: str | os.PathLike, device: str | torch.device = "cpu",
          config: FastloadConfig | Mapping[str, Any] | None = None) -> FastCheckpoint:
-    """Open a checkpoint (directory with index, directory of shards, or one file)."""
+    """Open a checkpoint (directory with index, directory of shards, or one file; or the same
+    below an object store URI such as ``s3://bucket/prefix``)."""
     return FastCheckpoint(path, device, config)

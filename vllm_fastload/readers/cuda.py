@@ -44,17 +44,13 @@ class CudaReader(Reader):
 
     def submit(self, sf: SafetensorsFile, calls: Sequence[ReadCall | RowsCall]) -> Pending:
         pool = self.threads()
-        futures = [pool.submit(self._stage_batch, sf.fd, sf.path, batch)
-                   for batch in self.batches(calls, self.slot_size)]
+        futures = [pool.submit(self._stage_batch, sf, batch) for batch in self.batches(calls, self.slot_size)]
         return Pending(futures)
 
-    def _stage_batch(self, fd: int, path: str, batch: list[ReadCall]) -> None:
+    def _stage_batch(self, sf: SafetensorsFile, batch: list[ReadCall]) -> None:
         slot = self._slots.get()
         try:
-            used = 0
-            for offset, length, _ in batch:
-                pread_into(fd, path, offset, memoryview(slot[used:used + length].numpy()))
-                used += length
+            _fill_slot(sf, slot, batch)
             with torch.cuda.stream(self.stream):
                 used = 0
                 for _, length, dest in batch:
@@ -71,3 +67,17 @@ class CudaReader(Reader):
     def close(self) -> None:
         super().close()
         self.stream.synchronize()
+
+
+def _fill_slot(sf: SafetensorsFile, slot: torch.Tensor, batch: list[ReadCall]) -> None:
+    """Read a batch's ranges packed into the pinned ``slot``: ``pread`` for a local file; for an
+    object, one submission to its source (neighbouring ranges share a GET, requests run in parallel)."""
+    views, used = [], 0
+    for offset, length, _ in batch:
+        views.append((offset, memoryview(slot[used:used + length].numpy())))
+        used += length
+    if sf.fd is None:
+        sf.source.submit_ranges_into(views).result()
+        return
+    for offset, view in views:
+        pread_into(sf.fd, sf.path, offset, view)

