@@ -67,7 +67,7 @@ def _wait_naming_tensors(item: _InFlight) -> None:
     except CheckpointError as exc:
         if exc.tensor is not None:
             raise
-        names = [t.key for t, _ in item.chunk.tensors]
+        names = list(dict.fromkeys(t.info.name for t, _ in item.chunk.tensors))  # checkpoint names, not keys
         where = f" while reading {', '.join(names[:3])}{' and others' if len(names) > 3 else ''}"
         raise type(exc)(exc.reason + where, file=exc.file, tensor=names[0] if names else None) from exc
 
