@@ -22,11 +22,51 @@ def register() -> None:
 
         model_loader.register_model_loader(LOAD_FORMAT)(FastloadModelLoader)
         _route_core_logs_to_vllm()
+    _allow_object_storage()
     bench_dir = os.environ.get("FASTLOAD_BENCH_DIR")
     if bench_dir:  # `vllm-fastload bench` measures load_weights inside each worker
         from vllm_fastload.bench.worker_hooks import install
 
         install(bench_dir)
+
+
+def _allow_object_storage() -> None:
+    """Let ``--load-format fastload`` load ``s3://``/``gs://``/``az://`` models (idempotent).
+
+    vLLM 0.32 refuses every load format but its own streamers for a model whose weights are in
+    object storage (``VllmConfig.try_verify_and_update_config``, an inline tuple of names). For
+    fastload only, the check runs with ``model_config.model_weights`` blanked and restored after,
+    so it sees a local model; everything else the method does is unchanged. tests/remote
+    fails loudly if a vLLM upgrade moves the check.
+    """
+    from vllm.config.vllm import VllmConfig
+
+    original = VllmConfig.try_verify_and_update_config
+    if getattr(original, "_fastload_wrapped", False):
+        return
+
+    def try_verify_and_update_config(self) -> None:
+        model_config = getattr(self, "model_config", None)
+        weights = getattr(model_config, "model_weights", "") if model_config is not None else ""
+        load_format = str(getattr(self.load_config, "load_format", "")).lower()
+        if load_format != LOAD_FORMAT or not _is_object_uri(weights):
+            return original(self)
+        model_config.model_weights = ""
+        try:
+            return original(self)
+        finally:
+            model_config.model_weights = weights
+
+    try_verify_and_update_config._fastload_wrapped = True
+    try_verify_and_update_config.__wrapped__ = original
+    try_verify_and_update_config.__doc__ = original.__doc__
+    VllmConfig.try_verify_and_update_config = try_verify_and_update_config
+
+
+def _is_object_uri(weights: object) -> bool:
+    from vllm_fastload.sources import is_remote
+
+    return isinstance(weights, str) and is_remote(weights)
 
 
 def _route_core_logs_to_vllm() -> None:

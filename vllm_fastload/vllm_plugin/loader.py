@@ -26,6 +26,7 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 import vllm_fastload
 from vllm_fastload.config import FastloadConfig
 from vllm_fastload.errors import CheckpointError
+from vllm_fastload.sources import is_remote
 from vllm_fastload.tensors import CASTABLE, dtype_of, shape_of
 from vllm_fastload.vllm_plugin.probe import Placement, ProbeResult, probe_model
 
@@ -49,7 +50,7 @@ class FastloadModelLoader(BaseModelLoader):
 
     # -- BaseModelLoader --------------------------------------------------------------------
     def download_model(self, model_config: ModelConfig) -> None:
-        self._checkpoint_dir(model_config)
+        self._checkpoint_dir(model_config)  # an object URI is opened where it is, never downloaded
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         start = time.perf_counter()
@@ -144,8 +145,11 @@ class FastloadModelLoader(BaseModelLoader):
 
     # -- helpers ----------------------------------------------------------------------------
     def _checkpoint_dir(self, model_config: ModelConfig) -> str:
-        model = model_config.model
-        if os.path.isdir(model) or os.path.isfile(model):
+        """Where the weights are: a local path, an object URI (vLLM puts ``s3://...`` in
+        ``model_weights`` and a local copy of the config files in ``model``), or a Hugging Face
+        download."""
+        model = getattr(model_config, "model_weights", "") or model_config.model
+        if is_remote(model) or os.path.isdir(model) or os.path.isfile(model):
             return model
         from vllm.model_executor.model_loader.weight_utils import download_weights_from_hf
 
