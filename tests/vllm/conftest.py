@@ -8,7 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -60,14 +59,8 @@ class Scenarios:
         return self.cache[key]
 
 
-@pytest.fixture(scope="session")
-def scenarios(tmp_path_factory) -> Scenarios:
-    return Scenarios(tmp_path_factory.mktemp("vllm-runs"))
-
-
-@pytest.fixture(scope="session")
-def checkpoints(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("checkpoints")
+def make_checkpoints(root: Path) -> dict[str, Path]:
+    """One small checkpoint per architecture (``ARCHITECTURES``), below ``root``."""
     paths = {}
     for name, (preset, files) in ARCHITECTURES.items():
         paths[name] = write_checkpoint(root / name, preset, files=files, index=files > 1)
