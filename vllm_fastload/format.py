@@ -246,6 +246,8 @@ class Checkpoint:
 
     def __init__(self, files: Iterable[SafetensorsFile], *, source: str) -> None:
         self.source = source
+        #: Whether the files are objects in a store (read by ranged GETs, no descriptors).
+        self.is_remote = False
         self.files: dict[str, SafetensorsFile] = {}
         self.tensors: dict[str, TensorInfo] = {}
         files = list(files)
@@ -348,6 +350,7 @@ class Checkpoint:
                     f"tensor is in two files: {other.file} and {sf.path}", file=sf.path, tensor=name)
         self.files[sf.path] = sf
         self.tensors.update(sf.tensors)
+        self.is_remote = self.is_remote or not sf.is_local
 
     def file_for(self, path: str) -> SafetensorsFile:
         """The parsed file at ``path``, parsing it on first use."""
@@ -383,11 +386,6 @@ class Checkpoint:
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.tensors)
-
-    @property
-    def is_remote(self) -> bool:
-        """Whether the files are objects in a store (read by ranged GETs, no descriptors)."""
-        return any(not sf.is_local for sf in self.files.values())
 
     @property
     def total_bytes(self) -> int:

@@ -140,16 +140,6 @@ class Reader(ABC):
             self._pool = None
 
 
-def submit_to_source(sf: SafetensorsFile, calls: Sequence[ReadCall | RowsCall]) -> Pending:
-    """Hand ``calls`` to the file's source (an object store, which has no descriptor to ``preadv``).
-
-    Rows become one range per row (their gaps are the store's to coalesce: ranges closer than its
-    ``coalesce_gap`` share a request); the destinations must be host memory.
-    """
-    ranges = [(offset, memoryview(dest.numpy())) for offset, _, dest in Reader.plain_calls(calls)]
-    return Pending([sf.source.submit_ranges_into(ranges)])
-
-
 #: Most buffers one ``preadv`` takes (1024 on Linux).
 IOV_MAX = max(16, os.sysconf("SC_IOV_MAX")) if "SC_IOV_MAX" in getattr(os, "sysconf_names", {}) else 1024
 

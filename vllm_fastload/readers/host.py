@@ -19,17 +19,9 @@ import torch
 from vllm_fastload.config import FastloadConfig, usable_cpus
 from vllm_fastload.format import SafetensorsFile
 from vllm_fastload.plan import Rows
-from vllm_fastload.readers.base import (
-    IOV_MAX,
-    Pending,
-    ReadCall,
-    Reader,
-    RowsCall,
-    pread_into,
-    preadv_into,
-    submit_to_source,
-)
+from vllm_fastload.readers.base import IOV_MAX, Pending, ReadCall, Reader, RowsCall, pread_into, preadv_into
 from vllm_fastload.readers.memory import populate
+from vllm_fastload.readers.remote import submit_to_source
 
 HUGE_PAGE = 2 << 20
 

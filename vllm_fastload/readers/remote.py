@@ -1,0 +1,21 @@
+"""Reads from a source without a descriptor (an object store): handed to the source itself.
+
+Its own module so that a reader needs one import and one early return for objects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from vllm_fastload.format import SafetensorsFile
+from vllm_fastload.readers.base import Pending, ReadCall, Reader, RowsCall
+
+
+def submit_to_source(sf: SafetensorsFile, calls: Sequence[ReadCall | RowsCall]) -> Pending:
+    """Hand ``calls`` to the file's source, which has no descriptor to ``preadv``.
+
+    Rows become one range per row (their gaps are the store's to coalesce: ranges closer than its
+    ``coalesce_gap`` share a request); the destinations must be host memory.
+    """
+    ranges = [(offset, memoryview(dest.numpy())) for offset, _, dest in Reader.plain_calls(calls)]
+    return Pending([sf.source.submit_ranges_into(ranges)])
