@@ -140,3 +140,19 @@ def test_cli_plan_on_a_uri(s3, capsys) -> None:
     assert main(["plan", s3.uri(), "--tp", "2", "--rank", "1"]) == 0
     out = capsys.readouterr().out
     assert f"plan for {s3.uri()}" in out and SHARD1 in out and "of checkpoint" in out
+
+
+def test_cuda_staging_fills_slots_from_objects(s3, local_checkpoint) -> None:
+    """The cuda reader's staging step, on a CPU slot (the copy to the device needs a GPU)."""
+    from vllm_fastload.readers.cuda import _fill_slot
+
+    want = (local_checkpoint / SHARD2).read_bytes()
+    ckpt = Checkpoint.discover(s3.uri(), remote=FAST)
+    try:
+        sf = ckpt.files[s3.uri(SHARD2)]
+        batch = [(100, 50, None), (4000, 300, None), (sf.source.size - 10, 10, None)]
+        slot = torch.zeros(4096, dtype=torch.uint8)
+        _fill_slot(sf, slot, batch)
+        assert bytes(slot[:360].numpy()) == want[100:150] + want[4000:4300] + want[-10:]
+    finally:
+        ckpt.close()
