@@ -94,10 +94,12 @@ class SafetensorsFile:
 
     @property
     def is_local(self) -> bool:
+        """Whether the bytes are in a local file (read with ``preadv`` on ``fd``)."""
         return isinstance(self.source, LocalSource)
 
     @property
     def identity(self) -> FileIdentity | None:
+        """A local file's size, mtime and inode at open (an object is pinned by its ETag instead)."""
         return self.source.identity if isinstance(self.source, LocalSource) else None
 
     def check_unchanged(self) -> None:
@@ -105,6 +107,7 @@ class SafetensorsFile:
         self.source.check_unchanged()
 
     def close(self) -> None:
+        """Close the source (a local file's descriptor); idempotent."""
         self.source.close()
 
 

@@ -39,16 +39,24 @@ def _allow_object_storage() -> None:
     so it sees a local model; everything else the method does is unchanged. tests/remote
     fails loudly if a vLLM upgrade moves the check.
     """
-    from vllm.config.vllm import VllmConfig
+    try:
+        from vllm.config.vllm import VllmConfig
 
-    original = VllmConfig.try_verify_and_update_config
+        original = VllmConfig.try_verify_and_update_config
+    except (ImportError, AttributeError) as exc:  # local checkpoints must keep loading regardless
+        import logging
+
+        logging.getLogger("vllm.fastload").warning(
+            "fastload: cannot find vLLM's object-storage check (%s); s3:// models stay refused for "
+            "--load-format fastload until vllm_plugin is updated for this vLLM", exc)
+        return
     if getattr(original, "_fastload_wrapped", False):
         return
 
     def try_verify_and_update_config(self) -> None:
         model_config = getattr(self, "model_config", None)
         weights = getattr(model_config, "model_weights", "") if model_config is not None else ""
-        load_format = str(getattr(self.load_config, "load_format", "")).lower()
+        load_format = str(getattr(getattr(self, "load_config", None), "load_format", "")).lower()
         if load_format != LOAD_FORMAT or not _is_object_uri(weights):
             return original(self)
         model_config.model_weights = ""
