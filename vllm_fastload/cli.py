@@ -104,12 +104,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="vLLM load_weights with fastload vs vLLM's loaders, in subprocesses")
     p.add_argument("--model", default=None, help="default: create the 1.67 GB bench-llama")
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repetitions (medians need >= 3)")
     p.add_argument("--tp", default="1,2", help="comma-separated TP sizes")
     p.add_argument("--loaders", default=None, help="comma-separated; default: all that run here")
     p.add_argument("--cache", default="warm,cold", help="warm, cold or both")
+    p.add_argument("--targets", default=None,
+                   help="exit 1 if a named target is missed: 'all' or e.g. 'cold-tp1,disk-tp2=0.55' "
+                        "(cold-tp1, cold-tp2, warm-floor, warm-default, disk-tp2)")
     p.add_argument("--out", default="bench-results")
-    p.add_argument("--time-limit", type=float, default=1800, help="stop starting new runs after this many seconds")
+    p.add_argument("--time-limit", type=float, default=3600, help="stop starting new runs after this many seconds")
     p.set_defaults(func=_bench)
     return parser
 

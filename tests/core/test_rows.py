@@ -117,8 +117,9 @@ def test_populate_faults_in_fresh_memory_once():
     region.close()
 
 
-def test_cache_advice_only_for_pages_not_cached(tmp_path: Path, monkeypatch):
-    """WILLNEED walks the page cache even when all is there: skipped when the range is cached."""
+def test_cache_probe_and_advice(tmp_path: Path, monkeypatch):
+    """The probe tells cached chunks (copied on few threads, never advised) from cold ones; the
+    buffered fallback advises the span, and rows are advised only for the pages holding them."""
     w = random_tensor((64, 64), torch.float32, 1)
     path = save(tmp_path / "m.safetensors", {NAME: w})
     advised: list[tuple[int, int]] = []
@@ -127,14 +128,22 @@ def test_cache_advice_only_for_pages_not_cached(tmp_path: Path, monkeypatch):
     try:
         os.pread(fd, 1 << 20, 0)                       # just written and read: cached
         calls = [(8, 4096, torch.empty(4096, dtype=torch.uint8))]
-        cached = hasattr(os, "RWF_NOWAIT")
-        assert host.prefetch(fd, calls) is cached
-        assert advised == ([] if cached else [(8, 4096)])
+        assert host._cached_calls(fd, calls) is hasattr(os, "RWF_NOWAIT")
         monkeypatch.setattr(host, "_cached", lambda fd, offsets: False)
-        assert host.prefetch(fd, calls) is False
-        rows = Rows(8, 16, 64, 10, gaps=False)
-        assert host.prefetch(fd, [(rows, torch.empty(160, dtype=torch.uint8))]) is False
-        assert advised[-2:] == [(8, 4096), (8, rows.span)]
+        assert host._cached_calls(fd, calls) is False
+        host.advise(fd, calls)
+        assert advised == [(8, 4096)]
+        page = mmap.PAGESIZE
+        # Segments of 100 bytes every 3 pages: one page each, the pages between are not advised.
+        host.advise_rows(fd, Rows(page + 10, 100, 3 * page, 4, gaps=False))
+        assert advised[1:] == [(page * (1 + 3 * i), page) for i in range(4)]
+        # Segments whose pages touch are merged into one advice.
+        del advised[:]
+        host.advise_rows(fd, Rows(10, 3000, 4096, 3, gaps=False))
+        assert advised == [(0, 3 * 4096)]
+        del advised[:]
+        host.advise_rows(fd, Rows(8, 16, 64, 10, gaps=True))
+        assert advised == [(8, Rows(8, 16, 64, 10).span)]
     finally:
         os.close(fd)
 

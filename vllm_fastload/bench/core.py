@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -20,20 +19,10 @@ import torch
 from safetensors import safe_open
 
 import vllm_fastload
+from vllm_fastload.bench.machine import evict
 from vllm_fastload.checkpoints import write_checkpoint
 from vllm_fastload.tensors import dtype_of, shape_of
 from vllm_fastload.tp_rules import rank_requests
-
-
-def evict(paths: list[str]) -> None:
-    """Drop the files' pages from the page cache (clean pages only; needs no privileges)."""
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def status_kb(field: str) -> int:

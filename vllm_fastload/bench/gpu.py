@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 import vllm_fastload
-from vllm_fastload.bench.core import evict
+from vllm_fastload.bench.machine import evict
 from vllm_fastload.checkpoints import ModelSpec, write_random_checkpoint
 from vllm_fastload.config import FastloadConfig, usable_cpus
 from vllm_fastload.tensors import dtype_of, shape_of

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -21,13 +22,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from vllm_fastload.bench.core import evict
+from vllm_fastload.bench.machine import MachineState, evict
 from vllm_fastload.checkpoints import write_checkpoint
 from vllm_fastload.server import vllm_env
 
 #: name -> (load format, extra config)
 LOADERS: dict[str, tuple[str, dict | None]] = {
     "fastload": ("fastload", None),
+    "fastload-buffered": ("fastload", {"direct_io": "never"}),
     "safetensors": ("safetensors", None),
     "safetensors-mt": ("safetensors", {"enable_multithread_load": True, "num_threads": 8}),
     "runai_streamer": ("runai_streamer", None),
@@ -76,15 +78,41 @@ def run_once(model: str, loader: str, tp: int, work: Path) -> dict:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=900)
     ranks = [json.loads(p.read_text()) for p in sorted(probe_dir.glob("rank*.json"))]
     if proc.returncode != 0 or len(ranks) != tp:
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
-        return {"error": f"exit {proc.returncode}, {len(ranks)} rank records; log tail:\n{tail}"}
+        cause = root_cause(log.read_text(errors="replace"))
+        return {"error": f"exit {proc.returncode}, {len(ranks)} rank records: {cause} (log: {log})"}
     return {"ranks": ranks}
+
+
+#: An exception line as Python prints it, behind vLLM's "(Worker pid=N)" style prefix if any.
+_ERROR_LINE = re.compile(r"^(?:\([^)]*\)\s*)?(?:[A-Za-z_][\w.]*\.)?([A-Z]\w*(?:Error|Exception|Exit)): (.+)$")
+#: What vLLM's engine raises once a worker has died: a consequence, never the cause.
+_CONSEQUENCES = ("EngineDeadError", "EngineCoreError", "EOFError", "BrokenPipeError")
+
+
+def root_cause(log: str) -> str:
+    """The first exception line in a start-up log, e.g. a worker's ``ConfigError``: vLLM prints the
+    real failure first and then pages of tracebacks of the processes that noticed it."""
+    fallback = None
+    for line in log.splitlines():
+        match = _ERROR_LINE.match(line.strip())
+        if not match:
+            continue
+        found = f"{match.group(1)}: {match.group(2).strip()}"
+        if match.group(1) in _CONSEQUENCES or "died unexpectedly" in line or "initialization failed" in line:
+            fallback = fallback or found
+            continue
+        return found
+    if fallback:
+        return fallback
+    tail = [line for line in log.splitlines() if line.strip()][-3:]
+    return "no exception line in the log; it ends with: " + " | ".join(tail)
 
 
 def main(args: argparse.Namespace) -> int:
     model = args.model or str(write_checkpoint(".fastload/bench-llama", "bench-llama", files=4))
     files = sorted(str(p) for p in Path(model).glob("*.safetensors"))
     total = sum(Path(f).stat().st_size for f in files)
+    wanted_targets = parse_targets(args.targets)
     names, skipped = available_loaders()
     if args.loaders:
         wanted = args.loaders.split(",")
@@ -92,6 +120,8 @@ def main(args: argparse.Namespace) -> int:
     tps = [int(t) for t in args.tp.split(",")]
     caches = args.cache.split(",")
     print(f"checkpoint {model}: {total / 1e9:.2f} GB; loaders {names}; skipped {skipped}")
+    state = MachineState()
+    print(f"  disk: {state.sample_disk(files):.2f} GB/s cold sequential read", flush=True)
     work = Path(args.out) / "vllm-runs"
     work.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + args.time_limit
@@ -100,6 +130,7 @@ def main(args: argparse.Namespace) -> int:
     for tp in tps:
         for cache in caches:
             for rep in range(args.repeats):
+                print(f"  tp={tp} {cache} rep {rep + 1}: first touch {state.sample_memory():.2f} GB/s", flush=True)
                 for name in names:
                     if time.monotonic() > deadline:
                         stopped_early = True
@@ -118,16 +149,22 @@ def main(args: argparse.Namespace) -> int:
                         secs = [r["seconds"] for r in res["ranks"]]
                         print(f"  tp={tp} {cache:<4} rep {rep + 1} {name:<20} load_weights per rank "
                               f"{', '.join(f'{s:.2f}' for s in secs)} s", flush=True)
+    state.sample_disk(files)
     rows = summarize(results, total)
+    print()
+    print(state.summary())
     print_table(rows)
+    verdicts = check_targets(rows, wanted_targets)
+    print_verdicts(verdicts)
     out = Path(args.out)
     (out / "bench-vllm.json").write_text(json.dumps({"checkpoint_bytes": total, "rows": rows, "raw": results,
+                                                      "machine": state.as_dict(), "targets": verdicts,
                                                       "skipped": skipped, "stopped_early": stopped_early},
                                                      indent=2))
     chart(rows, out / "bench-vllm.png")
     print(f"wrote {out / 'bench-vllm.json'} and {out / 'bench-vllm.png'}"
           + (" (time limit reached: some runs skipped)" if stopped_early else ""))
-    return 0
+    return 1 if any(not v["ok"] for v in verdicts) else 0
 
 
 def summarize(results: dict[str, list[dict]], total: int) -> list[dict]:
@@ -136,42 +173,126 @@ def summarize(results: dict[str, list[dict]], total: int) -> list[dict]:
         tp, cache, name = key.split("|")
         ok = [r for r in runs if "error" not in r]
         if not ok:
-            rows.append({"tp": tp, "cache": cache, "loader": name, "error": runs[0]["error"][:200]})
+            rows.append({"tp": tp, "cache": cache, "loader": name, "error": runs[0]["error"][:300]})
             continue
         per_rank_max = [max(r["seconds"] for r in run["ranks"]) for run in ok]
         rows.append({
-            "tp": tp, "cache": cache, "loader": name, "runs": len(ok),
+            "tp": tp, "cache": cache, "loader": name, "runs": len(ok), "failed_runs": len(runs) - len(ok),
             "seconds_median": statistics.median(per_rank_max), "seconds_min": min(per_rank_max),
+            "seconds_max": max(per_rank_max),
             "rchar_per_rank": max(r["rchar"] for run in ok for r in run["ranks"]),
             "disk_read_per_rank": max(r["read_bytes"] for run in ok for r in run["ranks"]),
             "peak_rss_mb": max(r["hwm_after_kb"] for run in ok for r in run["ranks"]) / 1024,
             "checkpoint_bytes": total,
         })
     for row in rows:
-        base = next((r for r in rows if r["tp"] == row["tp"] and r["cache"] == row["cache"]
-                     and r["loader"] == "safetensors" and "error" not in r), None)
-        floor = next((r for r in rows if r["tp"] == row["tp"] and r["loader"].startswith("zerofill")
-                      and "error" not in r), None)
+        base = _row(rows, row["tp"], row["cache"], "safetensors")
+        floor = _row(rows, row["tp"], "warm", FLOOR)
         if "error" not in row:
             row["vs_safetensors"] = row["seconds_median"] / base["seconds_median"] if base else None
             row["vs_floor"] = row["seconds_median"] / floor["seconds_median"] if floor else None
     return rows
 
 
+def _row(rows: list[dict], tp: str, cache: str, loader: str) -> dict | None:
+    return next((r for r in rows if r["tp"] == tp and r["cache"] == cache and r["loader"] == loader
+                 and "error" not in r), None)
+
+
 def print_table(rows: list[dict]) -> None:
-    print(f"\n{'tp':<4}{'cache':<6}{'loader':<21}{'median s':>9}{'min s':>8}{'vs default':>11}{'vs floor':>9}"
-          f"{'read/rank GB':>13}{'disk/rank GB':>13}{'peak RSS MB':>12}")
+    print(f"\n{'tp':<4}{'cache':<6}{'loader':<21}{'median s':>9}{'min s':>7}{'max s':>7}{'n':>3}{'vs default':>11}"
+          f"{'vs floor':>9}{'read/rank GB':>13}{'disk/rank GB':>13}{'peak RSS MB':>12}")
     for r in rows:
         if "error" in r:
-            print(f"{r['tp']:<4}{r['cache']:<6}{r['loader']:<21} FAILED: {r['error']}")
+            print(f"{r['tp'][2:]:<4}{r['cache']:<6}{r['loader']:<21} FAILED: {r['error']}")
             continue
         vs = f"{r['vs_safetensors']:.2f}x" if r.get("vs_safetensors") else "-"
         fl = f"{r['vs_floor']:.2f}x" if r.get("vs_floor") else "-"
-        print(f"{r['tp'][2:]:<4}{r['cache']:<6}{r['loader']:<21}{r['seconds_median']:>9.2f}{r['seconds_min']:>8.2f}"
-              f"{vs:>11}{fl:>9}{r['rchar_per_rank'] / 1e9:>13.2f}{r['disk_read_per_rank'] / 1e9:>13.2f}"
-              f"{r['peak_rss_mb']:>12.0f}")
-    print("read/rank: bytes read through read calls (mmap page faults are not counted there); "
+        print(f"{r['tp'][2:]:<4}{r['cache']:<6}{r['loader']:<21}{r['seconds_median']:>9.2f}{r['seconds_min']:>7.2f}"
+              f"{r['seconds_max']:>7.2f}{r['runs']:>3}{vs:>11}{fl:>9}{r['rchar_per_rank'] / 1e9:>13.2f}"
+              f"{r['disk_read_per_rank'] / 1e9:>13.2f}{r['peak_rss_mb']:>12.0f}")
+    print("median/min/max: load_weights of the slowest rank over n runs; vs: ratio of medians (floor: the warm "
+          "zero-fill row); read/rank: bytes through read calls (mmap page faults are not counted there); "
           "disk/rank: bytes fetched from storage")
+
+
+# -- targets -------------------------------------------------------------------------------
+FLOOR = "zerofill (floor)"
+#: name -> (default limit, what it checks). Ratios of medians unless said otherwise.
+TARGETS: dict[str, tuple[float, str]] = {
+    "cold-tp1": (0.75, "TP=1 cold: fastload / default loader"),
+    "cold-tp2": (0.60, "TP=2 cold: fastload / default loader"),
+    "warm-floor": (1.10, "warm, every TP: fastload / zero-fill floor"),
+    "warm-default": (0.0, "warm, every TP: fastload median - default median, at most the larger spread (max-min) "
+                          "of the two rows plus this many seconds"),
+    "disk-tp2": (0.56, "TP=2: disk bytes per rank / checkpoint bytes, every cache state"),
+}
+
+
+def parse_targets(spec: str | None) -> dict[str, float]:
+    """``--targets all`` or ``cold-tp1,disk-tp2=0.55``: names from TARGETS, optional own limits."""
+    if not spec:
+        return {}
+    out: dict[str, float] = {}
+    for item in spec.split(","):
+        name, _, value = item.strip().partition("=")
+        if name == "all":
+            out.update({n: limit for n, (limit, _) in TARGETS.items()})
+            continue
+        if name not in TARGETS:
+            raise SystemExit(f"unknown target {name!r}; known: all, {', '.join(TARGETS)}")
+        try:
+            out[name] = float(value) if value else TARGETS[name][0]
+        except ValueError:
+            raise SystemExit(f"target {name}: {value!r} is not a number") from None
+    return out
+
+
+def check_targets(rows: list[dict], targets: dict[str, float]) -> list[dict]:
+    """One verdict per target and TP it applies to; a target whose rows were not measured is missed."""
+    verdicts = []
+
+    def verdict(name: str, tp: str, value: float | None, limit: float, detail: str) -> None:
+        ok = value is not None and value <= limit
+        verdicts.append({"target": name, "tp": tp, "value": value, "limit": limit, "ok": ok, "detail": detail})
+
+    for name, limit in targets.items():
+        if name in ("cold-tp1", "cold-tp2"):
+            tp = "tp" + name[-1]
+            fl, base = _row(rows, tp, "cold", "fastload"), _row(rows, tp, "cold", "safetensors")
+            value = fl["seconds_median"] / base["seconds_median"] if fl and base else None
+            verdict(name, tp, value, limit, "fastload / default, cold" if value is not None else "rows not measured")
+            continue
+        tps = sorted({r["tp"] for r in rows if r["loader"] == "fastload"}) or ["tp?"]
+        for tp in tps:
+            if name == "warm-floor":
+                fl, floor = _row(rows, tp, "warm", "fastload"), _row(rows, tp, "warm", FLOOR)
+                value = fl["seconds_median"] / floor["seconds_median"] if fl and floor else None
+                verdict(name, tp, value, limit, "fastload / floor, warm" if value is not None else "rows not measured")
+            elif name == "warm-default":
+                fl, base = _row(rows, tp, "warm", "fastload"), _row(rows, tp, "warm", "safetensors")
+                if not (fl and base):
+                    verdict(name, tp, None, limit, "rows not measured")
+                    continue
+                spread = max(fl["seconds_max"] - fl["seconds_min"], base["seconds_max"] - base["seconds_min"])
+                excess = fl["seconds_median"] - base["seconds_median"] - spread
+                verdict(name, tp, excess, limit, f"median {fl['seconds_median']:.2f} s vs "
+                        f"{base['seconds_median']:.2f} s, spread {spread:.2f} s")
+            elif name == "disk-tp2" and tp == "tp2":
+                fls = [r for r in rows if r["tp"] == tp and r["loader"] == "fastload" and "error" not in r]
+                value = max(r["disk_read_per_rank"] / r["checkpoint_bytes"] for r in fls) if fls else None
+                verdict(name, tp, value, limit, "disk bytes per rank / checkpoint" if fls else "rows not measured")
+    return verdicts
+
+
+def print_verdicts(verdicts: list[dict]) -> None:
+    if not verdicts:
+        return
+    print("\ntargets:")
+    for v in verdicts:
+        shown = "not measured" if v["value"] is None else f"{v['value']:.3f}"
+        print(f"  [{'ok' if v['ok'] else 'MISSED'}] {v['target']} {v['tp']}: {shown} "
+              f"(limit {v['limit']:g}; {v['detail']})")
 
 
 def chart(rows: list[dict], path: Path) -> None:

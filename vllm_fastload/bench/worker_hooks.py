@@ -53,7 +53,8 @@ def _timed(cls, out_dir: Path):
         record = {"rank": rank, "loader": type(self).__name__, "load_format": self.load_config.load_format,
                   "seconds": seconds, "rchar": io_after["rchar"] - io_before["rchar"],
                   "read_bytes": io_after["read_bytes"] - io_before["read_bytes"],
-                  "rss_before_kb": rss_before, "hwm_after_kb": status_kb("VmHWM")}
+                  "rss_before_kb": rss_before, "hwm_after_kb": status_kb("VmHWM"),
+                  "cpus": len(os.sched_getaffinity(0))}
         (out_dir / f"rank{rank}-{os.getpid()}-{next(_loads)}.json").write_text(json.dumps(record))
         return result
 

@@ -1,13 +1,19 @@
-"""``host``: threaded ``preadv`` straight into host memory (the GIL is released during reads).
+"""``host``: threaded reads straight into host memory (the GIL is released during reads).
 
-Buffers are anonymous mappings with transparent huge pages requested: on our VM, filling
-fresh 4 KiB pages runs at ~1 GB/s, fresh huge pages at ~6 GB/s, reused memory at ~8.5 GB/s.
-The executor reuses buffers, so most reads land in memory that is already touched; memory
-that is not (a vLLM parameter read into directly) is faulted in first by ``memory.populate``.
+Each chunk goes one of two ways, decided by a cheap probe of the page cache:
+- cached: ``preadv`` copies out of the page cache, on no more threads than CPUs (it is CPU work);
+- not cached: ``O_DIRECT`` reads into reused per-thread buffers and one copy into the
+  destination (see ``direct``), on every thread (they wait on the disk). Where O_DIRECT does
+  not work, buffered reads with ``POSIX_FADV_WILLNEED`` advice instead.
+
+Buffers are anonymous mappings with transparent huge pages requested. The executor reuses
+buffers, so most reads land in memory that is already touched; memory that is not (a vLLM
+parameter read into directly) is faulted in first by ``memory.populate``.
 """
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import threading
@@ -19,6 +25,7 @@ import torch
 from vllm_fastload.config import FastloadConfig, usable_cpus
 from vllm_fastload.format import SafetensorsFile
 from vllm_fastload.plan import Rows
+from vllm_fastload.readers import direct
 from vllm_fastload.readers.base import IOV_MAX, Pending, ReadCall, Reader, RowsCall, pread_into, preadv_into
 from vllm_fastload.readers.memory import populate
 from vllm_fastload.readers.remote import submit_to_source
@@ -52,6 +59,13 @@ class HostReader(Reader):
     def __init__(self, config: FastloadConfig, device: torch.device) -> None:
         super().__init__(config, device)
         self._copy_pool: ThreadPoolExecutor | None = None
+        self.bounce_size = _bounce_size(config)
+        #: buffered descriptor -> (O_DIRECT descriptor, alignment), or None where O_DIRECT fails
+        self._direct: dict[int, tuple[int, int] | None] = {}
+
+    @property
+    def staging_bytes(self) -> int:
+        return self.config.threads * self.bounce_size
 
     def allocate(self, nbytes: int) -> torch.Tensor:
         return allocate_host(nbytes, self.config.hugepages)
@@ -62,10 +76,26 @@ class HostReader(Reader):
         # Reads that wait on the disk want many threads (I/O depth); copies out of the page
         # cache are CPU work and want no more threads than CPUs. On a vLLM-CPU rank bound to
         # one core, 4 threads copying at once took 0.66 s (median of 6) where 1 took 0.57 s.
-        pool = self._copiers() if prefetch(sf.fd, calls) else self.threads()
-        futures = [pool.submit(_read_batch, sf.fd, sf.path, batch)
-                   for batch in self.batches(calls, self.config.read_size)]
+        mode = self.config.direct_io
+        cached = mode != "always" and _cached_calls(sf.fd, calls)
+        opened = self._direct_fd(sf.fd) if not cached and mode != "never" else None
+        if cached:
+            pool, task = self._copiers(), _read_batch
+        elif opened is None:
+            advise(sf.fd, calls)
+            pool, task = self.threads(), _read_batch
+        else:
+            dfd, align = opened
+            pool, task = self.threads(), functools.partial(_read_batch_direct, dfd, align, self.bounce_size)
+        futures = [pool.submit(task, sf.fd, sf.path, batch) for batch in self.batches(calls, self.config.read_size)]
         return Pending(futures)
+
+    def _direct_fd(self, fd: int) -> tuple[int, int] | None:
+        if not self.bounce_size:
+            return None
+        if fd not in self._direct:
+            self._direct[fd] = direct.open_direct(fd)
+        return self._direct[fd]
 
     def _copiers(self) -> ThreadPoolExecutor:
         if self._copy_pool is None:
@@ -80,27 +110,51 @@ class HostReader(Reader):
         if self._copy_pool is not None:
             self._copy_pool.shutdown(wait=True)
             self._copy_pool = None
+        for opened in self._direct.values():
+            if opened is not None:
+                os.close(opened[0])
+        self._direct.clear()
 
 
-def prefetch(fd: int, calls: Sequence[ReadCall | RowsCall]) -> bool:
-    """Tell the kernel to start reading these ranges now (``POSIX_FADV_WILLNEED``); return
-    whether they are (as far as a cheap probe can tell) in the page cache already.
+def _bounce_size(config: FastloadConfig) -> int:
+    """Per-thread O_DIRECT buffer: a read piece plus slack for aligning both ends, within a
+    quarter of the memory budget; 0 (no O_DIRECT) if not even a few blocks fit."""
+    if config.direct_io == "never":
+        return 0
+    slack = 2 * max(direct.ALIGNMENTS)
+    share = int(config.memory_budget) // 4 // config.threads // 4096 * 4096
+    size = min(int(config.read_size) + slack, share)
+    return size if size >= 2 * slack else 0
+
+
+def _ranges(calls: Sequence[ReadCall | RowsCall]) -> list[tuple[int, int]]:
+    return [(c[0].offset, c[0].span) if isinstance(c[0], Rows) else (c[0], c[1]) for c in calls]
+
+
+def _cached_calls(fd: int, calls: Sequence[ReadCall | RowsCall]) -> bool:
+    """Whether the chunk is (as far as a cheap probe can tell) in the page cache: its first,
+    middle and last byte can be read without waiting."""
+    if not calls:
+        return True
+    ranges = _ranges(calls)
+    lo = min(offset for offset, _ in ranges)
+    hi = max(offset + length for offset, length in ranges)
+    return hi <= lo or _cached(fd, (lo, (lo + hi) // 2, hi - 1))
+
+
+def advise(fd: int, calls: Sequence[ReadCall | RowsCall]) -> None:
+    """Tell the kernel to start reading these ranges now (``POSIX_FADV_WILLNEED``), for files
+    read through the page cache.
 
     The executor submits chunks ahead of the threads reaching them, so on a cold cache the
     disk works on later chunks while threads copy earlier ones: I/O depth without more
-    threads (more threads cost warm-cache speed on few cores). The advice walks the page
-    cache even when everything is there (~0.15 ms per MB, a sixth of a warm load on one
-    core), so ranges whose ends are already cached are not advised.
+    threads (more threads cost warm-cache speed on few cores).
     """
-    if not calls:
-        return True
-    ranges = [(c[0].offset, c[0].span) if isinstance(c[0], Rows) else (c[0], c[1]) for c in calls]
+    if not calls or not hasattr(os, "posix_fadvise"):
+        return
+    ranges = _ranges(calls)
     lo = min(offset for offset, _ in ranges)
     hi = max(offset + length for offset, length in ranges)
-    if hi <= lo or _cached(fd, (lo, (lo + hi) // 2, hi - 1)):
-        return True
-    if not hasattr(os, "posix_fadvise"):
-        return False
     needed = sum(length for _, length in ranges)
     spans = [(lo, hi - lo)] if hi - lo <= 2 * needed else ranges
     for offset, length in spans:
@@ -108,7 +162,6 @@ def prefetch(fd: int, calls: Sequence[ReadCall | RowsCall]) -> bool:
             os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
         except OSError:
             break  # advice only
-    return False
 
 
 _PROBE = bytearray(1)
@@ -141,6 +194,49 @@ def _read_batch(fd: int, path: str, batch: list[ReadCall | RowsCall]) -> None:
         # and the buffer pool must not mistake either for a caller still holding the buffer.
         batch.clear()
         view = dest = None
+
+
+def _read_batch_direct(dfd: int, align: int, bounce_size: int, fd: int, path: str,
+                       batch: list[ReadCall | RowsCall]) -> None:
+    """Like ``_read_batch``, contiguous ranges through O_DIRECT (see ``direct``); slices along a
+    later dim through the page cache with advice for exactly their pages. A file that turns
+    out not to allow O_DIRECT is read buffered."""
+    try:
+        bounce = direct.bounce_for_thread(bounce_size)
+        for i, call in enumerate(batch):
+            if isinstance(call[0], Rows):
+                advise_rows(fd, call[0])
+                _read_batch(fd, path, [call])
+                continue
+            try:
+                direct.read_into(dfd, align, path, call[0], call[2], bounce)
+            except direct.DirectUnsupported:
+                _read_batch(fd, path, batch[i:])
+                return
+    finally:
+        batch.clear()  # see _read_batch
+        call = None
+
+
+def advise_rows(fd: int, rows: Rows) -> None:
+    """``WILLNEED`` for the pages that hold the segments (runs of touching pages merged), so the
+    disk reads those pages and neither the gaps' whole pages nor read-ahead past the slice."""
+    if rows.gaps or not hasattr(os, "posix_fadvise"):
+        spans = [(rows.offset, rows.span)]
+    else:
+        spans = []
+        page = mmap.PAGESIZE
+        for offset, length in rows.ranges():
+            lo, hi = offset - offset % page, -(-(offset + length) // page) * page
+            if spans and lo <= spans[-1][0] + spans[-1][1]:
+                spans[-1] = (spans[-1][0], hi - spans[-1][0])
+            else:
+                spans.append((lo, hi - lo))
+    for offset, length in spans:
+        try:
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+        except (OSError, AttributeError):
+            return  # advice only
 
 
 #: Gaps up to this size are read into a scratch buffer rather than skipped with a call per row.
