@@ -111,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--targets", default=None,
                    help="exit 1 if a named target is missed: 'all' or e.g. 'cold-tp1,disk-tp2=0.55' "
                         "(cold-tp1, cold-tp2, warm-floor, warm-default, disk-tp2)")
+    p.add_argument("--release-memory", type=float, default=0, metavar="GIB",
+                   help="first touch and free this much memory and wait a minute, so that fresh memory is slow "
+                        "to touch as on a freshly started VM (free page reporting)")
     p.add_argument("--out", default="bench-results")
     p.add_argument("--time-limit", type=float, default=3600, help="stop starting new runs after this many seconds")
     p.set_defaults(func=_bench)

@@ -68,9 +68,9 @@ class FastloadConfig(BaseModel):
     log_layers: bool = Field(False, description="Log one DEBUG line per completed layer.")
     check_file_changes: bool = Field(True, description="Fail if a file's size or mtime changes during the load.")
     direct_io: Literal["auto", "always", "never"] = Field(
-        "auto", description="O_DIRECT for chunks not in the page cache ('auto'), for every chunk "
-        "('always'), or never (buffered reads with read-ahead advice). Where a filesystem refuses "
-        "O_DIRECT, fastload reads through the page cache.")
+        "auto", description="host backend: O_DIRECT for contiguous ranges not in the page cache "
+        "('auto'), for every contiguous range ('always'), or never (buffered reads with read-ahead "
+        "advice). Where a filesystem refuses O_DIRECT, fastload reads through the page cache.")
     hugepages: bool = Field(True, description="Ask for transparent huge pages on host buffers "
                             "(fresh memory is ~6x faster to fill that way).")
     remote: RemoteConfig = Field(default_factory=RemoteConfig, description="Object store settings for "

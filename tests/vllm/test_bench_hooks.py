@@ -86,3 +86,63 @@ def test_summary_takes_the_slowest_rank_and_compares_with_default_and_floor(caps
     bench.print_table(list(rows.values()))
     out = capsys.readouterr().out
     assert "memcopy (copy floor)" in out and "FAILED" in out and "0.73x" in out
+
+
+def _row(tp: str, cache: str, loader: str, median: float, lo: float, hi: float, disk: int = 0) -> dict:
+    return {"tp": tp, "cache": cache, "loader": loader, "runs": 3, "seconds_median": median, "seconds_min": lo,
+            "seconds_max": hi, "rchar_per_rank": 0, "disk_read_per_rank": disk, "peak_rss_mb": 1.0,
+            "checkpoint_bytes": 1000}
+
+
+def test_targets_pass_and_fail_on_the_medians_and_spread():
+    rows = [
+        _row("tp1", "cold", "fastload", 1.5, 1.4, 1.7), _row("tp1", "cold", "safetensors", 2.0, 1.9, 2.2),
+        _row("tp2", "cold", "fastload", 1.3, 1.2, 1.4, disk=540), _row("tp2", "cold", "safetensors", 2.0, 2.0, 2.1),
+        _row("tp1", "warm", "fastload", 1.05, 1.0, 1.1), _row("tp1", "warm", "zerofill (floor)", 1.0, 0.9, 1.0),
+        _row("tp1", "warm", "safetensors", 0.9, 0.85, 1.1),
+        _row("tp2", "warm", "fastload", 0.8, 0.7, 0.9, disk=600),
+        _row("tp2", "warm", "zerofill (floor)", 0.5, 0.5, 0.6),
+        _row("tp2", "warm", "safetensors", 0.6, 0.6, 0.62),
+    ]
+    got = {(v["target"], v["tp"]): v for v in bench.check_targets(rows, bench.parse_targets("all"))}
+    assert got[("cold-tp1", "tp1")]["ok"] and got[("cold-tp1", "tp1")]["value"] == pytest.approx(0.75)
+    assert not got[("cold-tp2", "tp2")]["ok"] and got[("cold-tp2", "tp2")]["value"] == pytest.approx(0.65)
+    assert got[("warm-floor", "tp1")]["ok"] and not got[("warm-floor", "tp2")]["ok"]
+    # TP=1: 0.15 s slower than the default, within the default's 0.25 s spread; TP=2: 0.2 s, spread 0.2 s.
+    assert got[("warm-default", "tp1")]["ok"] and got[("warm-default", "tp2")]["ok"]
+    assert not got[("disk-tp2", "tp2")]["ok"] and got[("disk-tp2", "tp2")]["value"] == pytest.approx(0.6)
+    assert bench.check_targets(rows, bench.parse_targets("disk-tp2=0.61"))[0]["ok"]
+    missing = bench.check_targets(rows[:2], bench.parse_targets("cold-tp2"))
+    assert missing == [{"target": "cold-tp2", "tp": "tp2", "value": None, "limit": 0.6, "ok": False,
+                        "detail": "rows not measured"}]
+    assert not bench.check_targets(rows[:2], bench.parse_targets("disk-tp2"))[0]["ok"]  # TP=2 not run: missed
+    with pytest.raises(SystemExit, match="unknown target 'cold'"):
+        bench.parse_targets("cold")
+
+
+def test_a_failed_start_reports_the_workers_first_error():
+    log = "\n".join([
+        "INFO 11-22 12:00:00 [core.py:90] Initializing a V1 LLM engine",
+        "(Worker_TP1 pid=77) ERROR 11-22 12:00:05 [multiproc_executor.py:700] Traceback (most recent call last):",
+        '(Worker_TP1 pid=77) ERROR   File "x.py", line 3, in load',
+        "(Worker_TP1 pid=77) vllm_fastload.errors.ConfigError: invalid fastload configuration: threads: "
+        "Input should be greater than or equal to 1",
+        "(EngineCore_DP0 pid=70) ERROR vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.",
+        "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}",
+    ])
+    assert bench.root_cause(log) == ("ConfigError: invalid fastload configuration: threads: "
+                                     "Input should be greater than or equal to 1")
+    assert bench.root_cause(log.splitlines()[-1]).startswith("RuntimeError: Engine core initialization failed")
+    assert bench.root_cause("no error here\nthe end") == ("no exception line in the log; it ends with: "
+                                                         "no error here | the end")
+
+
+def test_machine_state_is_measured(tmp_path: Path):
+    from vllm_fastload.bench.machine import MachineState, release_memory
+
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"\x01" * (3 << 20) + b"\x02" * 1000)
+    state = MachineState()
+    assert state.sample_memory() > 0 and state.sample_disk([str(path)]) > 0
+    assert "first touch of fresh memory median" in state.summary() and len(state.as_dict()["disk_read_gbps"]) == 1
+    assert release_memory(0.01, wait_s=0) > 0

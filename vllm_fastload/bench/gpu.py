@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 import vllm_fastload
+from vllm_fastload.bench.core import status_kb
 from vllm_fastload.bench.machine import evict
 from vllm_fastload.checkpoints import ModelSpec, write_random_checkpoint
 from vllm_fastload.config import FastloadConfig, usable_cpus
@@ -296,7 +297,7 @@ class DeviceMemory:
         else:
             with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # reset VmHWM to the current RSS
-            self._base = _status_kb("VmRSS")
+            self._base = status_kb("VmRSS")
         return self
 
     def _sample(self) -> None:
@@ -316,15 +317,7 @@ class DeviceMemory:
             self.alloc_extra = max(0, torch.cuda.max_memory_allocated(self.device) - self._base)
             self.driver_extra = max(0, self._peak - self._used0)
         else:
-            self.alloc_extra = self.driver_extra = max(0, _status_kb("VmHWM") - self._base) * 1024
-
-
-def _status_kb(field_name: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field_name + ":"):
-                return int(line.split()[1])
-    return 0
+            self.alloc_extra = self.driver_extra = max(0, status_kb("VmHWM") - self._base) * 1024
 
 
 # -- loaders ----------------------------------------------------------------------------------------
@@ -807,6 +800,11 @@ def _report(rows: dict[tuple[str, str, str], Row], limits: dict, s: Setup, confi
                 max(extra) / budget if extra else None, 1.0, note="ratio to the budget (torch allocator)")
     bad = sum(r.mismatches for r in rows.values())
     verdict("every load equals safetensors' CPU read, bit for bit (tensors wrong)", bad, 0)
+    # A fastload backend that raised is a failure of the check, not a skipped anchor (a kvikio
+    # that cannot be imported is skipped before any load and is not counted here).
+    fastload_failed = sorted(k for k, v in skipped.items() if k.startswith("fastload-") and v.startswith("failed"))
+    verdict("no fastload load raised (loaders that failed)", len(fastload_failed), 0,
+            note=", ".join(fastload_failed))
     if ev.failures:
         verdicts.append({"label": "cold repetitions were cold", "value": ev.worst_resident, "bound": 0.05,
                          "ok": False, "note": ev.note()})
@@ -830,7 +828,8 @@ def _report(rows: dict[tuple[str, str, str], Row], limits: dict, s: Setup, confi
         "eviction": {**asdict(ev), "note": ev.note()}, "rows": out_rows,
         "loaders": [{"name": x.name, "tp": x.tp, "note": x.note} for x in loaders],
         "skipped": skipped, "first_use_s": meta["first_use"], "verdicts": verdicts, "reps_done": meta["reps_done"],
-        "correct": bad == 0, "elapsed_s": time.perf_counter() - meta["started"],
+        "correct": bad == 0 and not fastload_failed, "fastload_failed": fastload_failed,
+        "elapsed_s": time.perf_counter() - meta["started"],
     }
 
 

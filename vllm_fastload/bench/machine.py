@@ -50,6 +50,17 @@ def first_touch_gbps(nbytes: int = 512 << 20) -> float:
         region.close()
 
 
+def release_memory(gib: float, wait_s: float = 60.0) -> float:
+    """Touch ``gib`` GiB of fresh memory, free it and wait for the VM to report it to its host.
+
+    Afterwards fresh memory is slow to touch again, as on a freshly started VM, where the
+    cold-start claims must hold too. Returns the GB/s of the touch (itself a state reading).
+    """
+    speed = first_touch_gbps(int(gib * (1 << 30)))
+    time.sleep(wait_s)
+    return speed
+
+
 def disk_read_gbps(paths: Sequence[str], threads: int = 4, piece: int = 8 << 20) -> float:
     """Cold sequential read GB/s of the files' disk: evicted first, then read in parallel with
     O_DIRECT (buffered where the filesystem refuses it) into reused buffers."""

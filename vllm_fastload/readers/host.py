@@ -60,8 +60,10 @@ class HostReader(Reader):
         super().__init__(config, device)
         self._copy_pool: ThreadPoolExecutor | None = None
         self.bounce_size = _bounce_size(config)
-        #: buffered descriptor -> (O_DIRECT descriptor, alignment), or None where O_DIRECT fails
-        self._direct: dict[int, tuple[int, int] | None] = {}
+        #: (buffered descriptor, inode) -> (O_DIRECT descriptor, alignment), or None where O_DIRECT
+        #: fails. The inode is in the key so that a descriptor number reused for another file
+        #: never finds the old file's O_DIRECT descriptor.
+        self._direct: dict[tuple[int, int], tuple[int, int] | None] = {}
 
     @property
     def staging_bytes(self) -> int:
@@ -93,9 +95,10 @@ class HostReader(Reader):
     def _direct_fd(self, fd: int) -> tuple[int, int] | None:
         if not self.bounce_size:
             return None
-        if fd not in self._direct:
-            self._direct[fd] = direct.open_direct(fd)
-        return self._direct[fd]
+        key = (fd, os.fstat(fd).st_ino)
+        if key not in self._direct:
+            self._direct[key] = direct.open_direct(fd)
+        return self._direct[key]
 
     def _copiers(self) -> ThreadPoolExecutor:
         if self._copy_pool is None:
@@ -118,13 +121,13 @@ class HostReader(Reader):
 
 def _bounce_size(config: FastloadConfig) -> int:
     """Per-thread O_DIRECT buffer: a read piece plus slack for aligning both ends, within a
-    quarter of the memory budget; 0 (no O_DIRECT) if not even a few blocks fit."""
+    quarter of the memory budget; 0 (no O_DIRECT) if not even one page beside the slack fits."""
     if config.direct_io == "never":
         return 0
     slack = 2 * max(direct.ALIGNMENTS)
     share = int(config.memory_budget) // 4 // config.threads // 4096 * 4096
     size = min(int(config.read_size) + slack, share)
-    return size if size >= 2 * slack else 0
+    return size if size >= slack + 4096 else 0
 
 
 def _ranges(calls: Sequence[ReadCall | RowsCall]) -> list[tuple[int, int]]:

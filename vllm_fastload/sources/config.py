@@ -5,7 +5,8 @@ Endpoint and credentials normally come from the standard environment (``AWS_ENDP
 ``GOOGLE_APPLICATION_CREDENTIALS``, ``AZURE_STORAGE_ACCOUNT_NAME``, ...), read by the store
 client itself; the fields here say what the environment cannot, and tune requests for
 stores whose latency is milliseconds, not microseconds. Secrets given here are ``SecretStr``
-so they never appear in a repr, a log line or an error.
+so that fastload never shows them in a repr, a log line or an error. (vLLM itself prints its
+``--model-loader-extra-config``, so the vLLM loader refuses credentials there.)
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 import vllm_fastload
 from vllm_fastload.config import FastloadConfig
-from vllm_fastload.errors import CheckpointError
+from vllm_fastload.errors import CheckpointError, ConfigError
 from vllm_fastload.sources import is_remote
 from vllm_fastload.tensors import CASTABLE, dtype_of, shape_of
 from vllm_fastload.vllm_plugin.probe import Placement, ProbeResult, probe_model
@@ -46,7 +46,9 @@ class FastloadModelLoader(BaseModelLoader):
     def __init__(self, load_config: LoadConfig) -> None:
         super().__init__(load_config)
         # Env first, then --model-loader-extra-config on top; unknown keys stop start-up here.
-        self.config = FastloadConfig.from_env(**(load_config.model_loader_extra_config or {}))
+        extra = load_config.model_loader_extra_config or {}
+        _refuse_secrets(extra)
+        self.config = FastloadConfig.from_env(**extra)
 
     # -- BaseModelLoader --------------------------------------------------------------------
     def download_model(self, model_config: ModelConfig) -> None:
@@ -168,6 +170,22 @@ class FastloadModelLoader(BaseModelLoader):
         except ValueError as exc:
             raise CheckpointError(f"checkpoint does not provide every parameter of the model: {exc}",
                                   file=path) from None
+
+
+#: Store option names that hold credentials (obstore's S3/GCS/Azure option names contain one of these).
+_SECRET_WORDS = ("secret", "token", "password", "key", "sas", "credential")
+
+
+def _refuse_secrets(extra: dict) -> None:
+    """vLLM prints ``--model-loader-extra-config`` verbatim in its start-up log, so credentials
+    there would be in every log line shipped anywhere: stop with a pointer to the environment."""
+    remote = extra.get("remote")
+    options = (remote.get("store_options") or {}) if isinstance(remote, dict) else {}
+    found = sorted(k for k in options if any(w in str(k).lower() for w in _SECRET_WORDS))
+    if found:
+        raise ConfigError(f"remote.store_options {', '.join(found)} in --model-loader-extra-config would be printed "
+                          "in vLLM's start-up log: pass credentials through the environment (AWS_SECRET_ACCESS_KEY, "
+                          "GOOGLE_APPLICATION_CREDENTIALS, AZURE_STORAGE_ACCOUNT_KEY, ...) or FASTLOAD_REMOTE")
 
 
 def _check_fully_written(probe: ProbeResult, path: str) -> None:

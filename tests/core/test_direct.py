@@ -1,0 +1,148 @@
+"""Cold reads through O_DIRECT: exact at every alignment, truncation reported, page cache left
+alone, and a quiet fallback to buffered reads where a filesystem refuses O_DIRECT."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from vllm_fastload import TensorRequest
+from vllm_fastload.bench.machine import evict
+from vllm_fastload.errors import ReadError
+from vllm_fastload.readers import direct, host
+
+from ._util import assert_bitexact, open_ckpt, random_tensor, save
+
+SMALL = {"threads": 2, "read_size": 4096, "aggregate_size": 8192, "memory_budget": 1 << 20}
+
+
+def _needs_o_direct(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        opened = direct.open_direct(fd)
+    finally:
+        os.close(fd)
+    if opened is None:
+        pytest.skip(f"the filesystem of {path.parent} refuses O_DIRECT: fastload reads it buffered")
+    os.close(opened[0])
+
+
+@pytest.fixture
+def odd(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """Tensors of odd byte sizes, so that no tensor after the first starts on a block boundary,
+    and a last tensor that ends the file at an unaligned offset."""
+    tensors = {
+        "a": random_tensor((3,), torch.uint8, 1),
+        "b": random_tensor((1001, 7), torch.bfloat16, 2),        # 14014 bytes: crosses many blocks
+        "c": random_tensor((1,), torch.int8, 3),
+        "d": random_tensor((777, 33), torch.float32, 4),
+        "e": random_tensor((5, 3), torch.uint8, 5),              # ends the file mid-block
+    }
+    path = save(tmp_path / "m.safetensors", tensors)
+    _needs_o_direct(path)
+    return path, tensors
+
+
+def _spy(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    original = direct.read_into
+
+    def counting(dfd, align, path, offset, dest, bounce):
+        calls.append(dest.numel())
+        return original(dfd, align, path, offset, dest, bounce)
+
+    monkeypatch.setattr(direct, "read_into", counting)
+    return calls
+
+
+@pytest.mark.parametrize("config", [SMALL, {}], ids=["4KiB-pieces", "defaults"])
+def test_cold_reads_go_direct_and_are_exact(odd, monkeypatch, config: dict):
+    path, tensors = odd
+    calls = _spy(monkeypatch)
+    with open_ckpt(path, config) as ckpt:
+        evict([str(path)])  # after open: parsing the header read the start of the file
+        dests = {n: torch.empty_like(t) for n, t in tensors.items()}
+        ckpt.read_into(dests)
+        for name, t in tensors.items():
+            assert_bitexact(dests[name], t, name)
+        evict([str(path)])
+        for name, t in ckpt.iter_tensors():
+            assert_bitexact(t, tensors[name], name)
+        evict([str(path)])
+        assert_bitexact(ckpt.get_slice("d", 0, 100, 300), tensors["d"][100:400])
+    assert sum(calls) >= sum(t.nbytes for t in tensors.values())
+
+
+def test_direct_reads_leave_the_page_cache_alone(odd):
+    path, tensors = odd
+    with open_ckpt(path, SMALL) as ckpt:
+        evict([str(path)])
+        dest = torch.empty_like(tensors["d"])
+        ckpt.read_into({"d": dest})
+        middle = ckpt.info("d").start + tensors["d"].nbytes // 2
+        fd = ckpt.checkpoint.files[str(path)].fd
+        assert not host._cached(fd, [middle]), "an O_DIRECT read should not have filled the page cache"
+    assert_bitexact(dest, tensors["d"])
+
+
+def test_truncated_file_is_reported_with_file_and_tensor(odd, monkeypatch):
+    path, tensors = odd
+    calls = _spy(monkeypatch)
+    with open_ckpt(path, dict(SMALL, direct_io="always", check_file_changes=False)) as ckpt:
+        os.truncate(path, ckpt.info("d").start + 1000)
+        with pytest.raises(ReadError) as err:
+            ckpt.read_into({"d": torch.empty_like(tensors["d"])})
+    assert "end of file" in str(err.value) and str(path) in str(err.value) and "'d'" in str(err.value)
+    assert calls, "the truncation should have been met by an O_DIRECT read"
+
+
+def test_filesystem_without_o_direct_reads_buffered(odd, monkeypatch):
+    path, tensors = odd
+    monkeypatch.setattr(direct, "open_direct", lambda fd: None)
+    calls = _spy(monkeypatch)
+    with open_ckpt(path, dict(SMALL, direct_io="always")) as ckpt:
+        for name, t in ckpt.iter_tensors():
+            assert_bitexact(t, tensors[name], name)
+    assert calls == []
+
+
+def test_o_direct_refused_mid_load_falls_back(odd, monkeypatch):
+    """EINVAL on a direct read (an alignment the probe did not catch): the rest of the batch is read buffered."""
+    path, tensors = odd
+
+    def refuse(*args):
+        raise direct.DirectUnsupported("Invalid argument")
+
+    monkeypatch.setattr(direct, "read_into", refuse)
+    with open_ckpt(path, dict(SMALL, direct_io="always")) as ckpt:
+        dests = {n: torch.empty_like(t) for n, t in tensors.items()}
+        ckpt.read_into(dests)
+    for name, t in tensors.items():
+        assert_bitexact(dests[name], t, name)
+
+
+def test_rows_stay_buffered_under_direct_io(tmp_path: Path, monkeypatch):
+    """A slice along dim 1 is many small segments: read through the page cache even with direct_io."""
+    w = random_tensor((300, 40), torch.bfloat16, 9)
+    path = save(tmp_path / "m.safetensors", {"w": w})
+    calls = _spy(monkeypatch)
+    with open_ckpt(path, dict(SMALL, direct_io="always", strided_min_skip=0)) as ckpt:
+        dest = torch.empty(300, 16, dtype=torch.bfloat16)
+        ckpt.read_into({TensorRequest("w", 1, 20, 16): dest})
+    assert_bitexact(dest, w[:, 20:36])
+    assert calls == []
+
+
+def test_buffers_are_counted_in_the_budget_or_direct_io_is_off():
+    from vllm_fastload.config import FastloadConfig
+
+    reader = host.HostReader(FastloadConfig(progress=False, threads=4), torch.device("cpu"))
+    assert reader.bounce_size == (8 << 20) + 2 * max(direct.ALIGNMENTS)
+    assert reader.staging_bytes == 4 * reader.bounce_size
+    tight = FastloadConfig(progress=False, threads=2, read_size=4096, aggregate_size=4096, memory_budget=8192)
+    assert host.HostReader(tight, torch.device("cpu")).staging_bytes == 0
+    never = FastloadConfig(progress=False, direct_io="never")
+    assert host.HostReader(never, torch.device("cpu")).staging_bytes == 0
