@@ -87,6 +87,9 @@ class HostReader(Reader):
             advise(sf.fd, calls)
             pool, task = self.threads(), _read_batch
         else:
+            for call in calls:
+                if isinstance(call[0], Rows):
+                    advise_rows(sf.fd, call[0])  # now, so the disk works ahead of the threads
             dfd, align = opened
             pool, task = self.threads(), functools.partial(_read_batch_direct, dfd, align, self.bounce_size)
         futures = [pool.submit(task, sf.fd, sf.path, batch) for batch in self.batches(calls, self.config.read_size)]
@@ -208,8 +211,7 @@ def _read_batch_direct(dfd: int, align: int, bounce_size: int, fd: int, path: st
         bounce = direct.bounce_for_thread(bounce_size)
         for i, call in enumerate(batch):
             if isinstance(call[0], Rows):
-                advise_rows(fd, call[0])
-                _read_batch(fd, path, [call])
+                _read_batch(fd, path, [call])  # advised at submit (see ``advise_rows``)
                 continue
             try:
                 direct.read_into(dfd, align, path, call[0], call[2], bounce)
