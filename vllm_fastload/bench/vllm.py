@@ -70,12 +70,12 @@ def warm_up(paths: list[str]) -> None:
                 pass
 
 
-def run_once(model: str, loader: str, tp: int, work: Path) -> dict:
+def run_once(model: str, loader: str, tp: int, work: Path, cache: str = "") -> dict:
     load_format, extra = LOADERS[loader]
     probe_dir = Path(tempfile.mkdtemp(dir=work))
     cmd = [sys.executable, "-m", "vllm_fastload.bench.start_vllm", model, load_format, str(tp),
            json.dumps(extra) if extra else ""]
-    env = vllm_env(tp, FASTLOAD_BENCH_DIR=str(probe_dir), FASTLOAD_PROGRESS="false")
+    env = vllm_env(tp, FASTLOAD_BENCH_DIR=str(probe_dir), FASTLOAD_PROGRESS="false", FASTLOAD_BENCH_CACHE=cache)
     log = probe_dir / "vllm.log"
     with log.open("wb") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=900)
@@ -150,7 +150,7 @@ def main(args: argparse.Namespace) -> int:
                         evict(files)
                     else:
                         warm_up(files)
-                    res = run_once(model, name, tp, work)
+                    res = run_once(model, name, tp, work, cache)
                     results.setdefault(f"tp{tp}|{cache}|{name}", []).append(res)
                     if "error" in res:
                         print(f"  tp={tp} {cache} rep {rep + 1} {name}: FAILED {res['error']}", flush=True)

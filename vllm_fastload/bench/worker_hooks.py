@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from vllm_fastload.bench.core import status_kb
+from vllm_fastload.bench.machine import evict
 
 #: Numbers the loads of one process, so that a second load does not overwrite the first's record.
 _loads = itertools.count()
@@ -45,6 +46,9 @@ def _timed(cls, out_dir: Path):
         import torch.distributed as dist
 
         rank = dist.get_rank() if dist.is_initialized() else 0
+        _set_cache_state(os.environ.get(CACHE_ENV), model_config, rank)
+        if dist.is_initialized():
+            dist.barrier()  # no rank starts its clock while another still warms or evicts
         io_before, rss_before = _io(), status_kb("VmRSS")
         start = time.perf_counter()
         result = original(self, model, model_config)
@@ -60,6 +64,29 @@ def _timed(cls, out_dir: Path):
 
     load_weights._fastload_timed = True
     cls.load_weights = load_weights
+
+
+#: "warm" or "cold": the page-cache state the benchmark wants at the moment load_weights starts.
+CACHE_ENV = "FASTLOAD_BENCH_CACHE"
+
+
+def _set_cache_state(cache: str | None, model_config, rank: int) -> None:
+    """Make the cache state true right before the clock starts, not only before vLLM starts.
+
+    vLLM takes ~30 s from its start to ``load_weights``, and a VM may reclaim page cache it finds
+    idle meanwhile (ours runs DAMON with a ``pageout`` scheme for memory idle ~60 s): a "warm" run
+    read up to 1 GB from disk before this. Rank 0 does it for all ranks (they share the page cache).
+    """
+    if cache not in ("warm", "cold") or rank != 0 or model_config is None:
+        return
+    files = sorted(str(p) for p in Path(model_config.model).glob("*.safetensors"))
+    if cache == "cold":
+        evict(files)
+        return
+    for path in files:
+        with open(path, "rb") as f:
+            while f.read(64 << 20):
+                pass
 
 
 def install(out_dir: str) -> None:
