@@ -146,3 +146,83 @@ def test_buffers_are_counted_in_the_budget_or_direct_io_is_off():
     assert host.HostReader(tight, torch.device("cpu")).staging_bytes == 0
     never = FastloadConfig(progress=False, direct_io="never")
     assert host.HostReader(never, torch.device("cpu")).staging_bytes == 0
+
+
+def test_row_slices_turn_read_ahead_off_once_per_file(tmp_path: Path, monkeypatch):
+    """With O_DIRECT carrying contiguous reads, the buffered descriptor serves only advised row
+    slices: read-ahead is turned off on it (once), so a miss does not pull in other ranks' bytes."""
+    w = random_tensor((300, 40), torch.bfloat16, 9)
+    v = random_tensor((50, 64), torch.float32, 10)
+    path = save(tmp_path / "m.safetensors", {"w": w, "v": v})
+    _needs_o_direct(path)
+    advice: list[tuple[int, int, int, int]] = []
+    real = os.posix_fadvise
+
+    def spy(fd, offset, length, what):
+        advice.append((fd, offset, length, what))
+        return real(fd, offset, length, what)
+
+    monkeypatch.setattr(os, "posix_fadvise", spy)
+    with open_ckpt(path, dict(SMALL, strided_min_skip=0)) as ckpt:
+        evict([str(path)])
+        dests = {TensorRequest("w", 1, 20, 16): torch.empty(300, 16, dtype=torch.bfloat16),
+                 TensorRequest("v", 1, 0, 32): torch.empty(50, 32, dtype=torch.float32)}
+        ckpt.read_into(dests)
+    assert_bitexact(dests[TensorRequest("w", 1, 20, 16)], w[:, 20:36])
+    assert_bitexact(dests[TensorRequest("v", 1, 0, 32)], v[:, :32])
+    random = [a for a in advice if a[3] == os.POSIX_FADV_RANDOM]
+    assert len(random) == 1 and random[0][1:3] == (0, 0), advice
+    willneed = [a for a in advice if a[3] == os.POSIX_FADV_WILLNEED]
+    assert willneed and all(a[0] == random[0][0] for a in willneed)
+
+
+def test_cached_reads_fault_destinations_in_ahead_of_fewer_copiers(tmp_path: Path, monkeypatch):
+    """Fewer copier threads than reader threads (a rank bound to one core): destinations are
+    faulted in on the reader threads first, the copies stay exact, and a read error still
+    reaches the caller with the file and tensor."""
+    tensors = {f"t{i}": random_tensor((257, 129), torch.bfloat16, i) for i in range(6)}
+    path = save(tmp_path / "m.safetensors", tensors)
+    monkeypatch.setattr(host, "usable_cpus", lambda: 1)
+    faulted: list[int] = []
+    real = host._populate_batch
+
+    def counting(dests):
+        faulted.extend(d.numel() for d in dests)
+        real(dests)
+
+    monkeypatch.setattr(host, "_populate_batch", counting)
+    config = dict(SMALL, threads=3, read_size=16384, aggregate_size=65536, direct_io="never", check_file_changes=False)
+    with open_ckpt(path, config) as ckpt:
+        for _ in ckpt.iter_tensors():
+            pass  # fills the page cache, so the next reads take the cached path
+        dests = {n: torch.empty_like(t) for n, t in tensors.items()}
+        ckpt.read_into(dests)
+        for name, t in tensors.items():
+            assert_bitexact(dests[name], t, name)
+        assert sum(faulted) >= sum(t.numel() for t in tensors.values())
+        os.truncate(path, ckpt.info("t5").start + 100)
+        with pytest.raises(ReadError) as err:
+            ckpt.read_into({"t5": torch.empty_like(tensors["t5"])})
+    assert str(path) in str(err.value) and "'t5'" in str(err.value)
+
+
+def test_the_page_cache_probe_reads_nothing(tmp_path: Path):
+    """Asking whether a page is cached must not bring it (or its neighbours) into the cache;
+    a one-byte RWF_NOWAIT read would start read-ahead around it."""
+    from vllm_fastload.readers import pagecache
+
+    path = save(tmp_path / "m.safetensors", {"w": random_tensor((256, 1024), torch.uint8, 3)})
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        evict([str(path)])
+        offsets = list(range(0, 256 * 1024, 4096))
+        assert pagecache._may_ask_mincore(fd)  # the test's own file
+        assert not any(pagecache.is_cached(fd, [o]) for o in offsets)
+        assert not any(pagecache.is_cached(fd, [o]) for o in offsets), "probing filled the page cache"
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # the read below: that page only
+        os.pread(fd, 4096, 8192)
+        assert pagecache.is_cached(fd, [8192, 8192 + 4095])
+        assert pagecache._nowait(fd, [8192]) is True
+        assert pagecache.is_cached(fd, [8192, 128 * 1024 + 4096]) is False
+    finally:
+        os.close(fd)

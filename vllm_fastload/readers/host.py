@@ -25,7 +25,7 @@ import torch
 from vllm_fastload.config import FastloadConfig, usable_cpus
 from vllm_fastload.format import SafetensorsFile
 from vllm_fastload.plan import Rows
-from vllm_fastload.readers import direct
+from vllm_fastload.readers import direct, pagecache
 from vllm_fastload.readers.base import IOV_MAX, Pending, ReadCall, Reader, RowsCall, pread_into, preadv_into
 from vllm_fastload.readers.memory import populate
 from vllm_fastload.readers.remote import submit_to_source
@@ -64,6 +64,8 @@ class HostReader(Reader):
         #: fails. The inode is in the key so that a descriptor number reused for another file
         #: never finds the old file's O_DIRECT descriptor.
         self._direct: dict[tuple[int, int], tuple[int, int] | None] = {}
+        #: Buffered descriptors whose read-ahead is off (see ``_no_readahead``), keyed like ``_direct``.
+        self._random: set[tuple[int, int]] = set()
 
     @property
     def staging_bytes(self) -> int:
@@ -82,18 +84,52 @@ class HostReader(Reader):
         cached = mode != "always" and _cached_calls(sf.fd, calls)
         opened = self._direct_fd(sf.fd) if not cached and mode != "never" else None
         if cached:
-            pool, task = self._copiers(), _read_batch
+            copiers = self._copiers()
+            if copiers is not self.threads():
+                return self._submit_cached(sf, calls, copiers)
+            pool, task = copiers, _read_batch
         elif opened is None:
             advise(sf.fd, calls)
             pool, task = self.threads(), _read_batch
         else:
-            for call in calls:
-                if isinstance(call[0], Rows):
-                    advise_rows(sf.fd, call[0])  # now, so the disk works ahead of the threads
+            rows = [call[0] for call in calls if isinstance(call[0], Rows)]
+            if rows:
+                self._no_readahead(sf.fd)
+            for r in rows:
+                advise_rows(sf.fd, r)  # now, so the disk works ahead of the threads
             dfd, align = opened
             pool, task = self.threads(), functools.partial(_read_batch_direct, dfd, align, self.bounce_size)
         futures = [pool.submit(task, sf.fd, sf.path, batch) for batch in self.batches(calls, self.config.read_size)]
         return Pending(futures)
+
+    def _submit_cached(self, sf: SafetensorsFile, calls: Sequence[ReadCall | RowsCall],
+                       copiers: ThreadPoolExecutor) -> Pending:
+        """Copies out of the page cache on the copier threads; the destinations' fresh pages are
+        faulted in ahead of them on all threads.
+
+        Faulting in fresh memory waits on the hypervisor where the VM hands freed memory back to
+        its host (measured on a rank bound to one core: 1.67 GB in 1.38 s with one thread doing
+        both, 0.59 s with four faulting), while the copy itself is CPU work.
+        """
+        futures = []
+        for batch in self.batches(calls, self.config.read_size):
+            faulted = self.threads().submit(_populate_batch, [call[-1] for call in batch])
+            futures.append(copiers.submit(_after, faulted, _read_batch, sf.fd, sf.path, batch))
+        return Pending(futures)
+
+    def _no_readahead(self, fd: int) -> None:
+        """Turns off the kernel's read-ahead on the buffered descriptor (``POSIX_FADV_RANDOM``)
+        once O_DIRECT carries the contiguous reads: it is left with row slices, whose pages are
+        advised exactly, and read-ahead on a miss would fetch the other ranks' bytes too (a TP=2
+        rank read 0.67 of the checkpoint from disk with it, 0.62 without: its pages' share)."""
+        key = (fd, os.fstat(fd).st_ino)
+        if key in self._random:
+            return
+        self._random.add(key)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        except (OSError, AttributeError):
+            pass  # advice only
 
     def _direct_fd(self, fd: int) -> tuple[int, int] | None:
         if not self.bounce_size:
@@ -120,6 +156,7 @@ class HostReader(Reader):
             if opened is not None:
                 os.close(opened[0])
         self._direct.clear()
+        self._random.clear()
 
 
 def _bounce_size(config: FastloadConfig) -> int:
@@ -170,18 +207,21 @@ def advise(fd: int, calls: Sequence[ReadCall | RowsCall]) -> None:
             break  # advice only
 
 
-_PROBE = bytearray(1)
-
-
 def _cached(fd: int, offsets: Sequence[int]) -> bool:
-    """Whether the pages at these offsets are in the page cache (a read that must not wait)."""
-    nowait = getattr(os, "RWF_NOWAIT", None)
-    if nowait is None:
-        return False
-    try:
-        return all(os.preadv(fd, [_PROBE], offset, nowait) == 1 for offset in offsets)
-    except OSError:  # BlockingIOError: not cached; anything else: just advise
-        return False
+    """Whether the pages at these offsets are in the page cache (see ``pagecache``)."""
+    return pagecache.is_cached(fd, offsets)
+
+
+def _populate_batch(dests: list[torch.Tensor]) -> None:
+    for dest in dests:
+        populate(dest.data_ptr(), dest.numel() * dest.element_size())
+    dests.clear()  # see _read_batch
+
+
+def _after(first, task, *args) -> None:
+    """Runs ``task`` once the future ``first`` is done (its error, if any, is ``task``'s too)."""
+    first.result()
+    task(*args)
 
 
 def _read_batch(fd: int, path: str, batch: list[ReadCall | RowsCall]) -> None:
@@ -216,6 +256,7 @@ def _read_batch_direct(dfd: int, align: int, bounce_size: int, fd: int, path: st
             try:
                 direct.read_into(dfd, align, path, call[0], call[2], bounce)
             except direct.DirectUnsupported:
+                advise(fd, batch[i:])  # read-ahead may be off on this descriptor
                 _read_batch(fd, path, batch[i:])
                 return
     finally:

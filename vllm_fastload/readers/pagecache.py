@@ -1,0 +1,77 @@
+"""Whether a file's pages are in the page cache, asked without reading them.
+
+The reader decides per chunk between copying out of the page cache and reading the disk with
+O_DIRECT. The obvious probe, a one-byte ``preadv2(RWF_NOWAIT)``, has a side effect: on a miss
+the kernel still starts read-ahead around the byte, so probing one chunk could fill the cache
+for the next and make it look cached. ``mincore`` on a one-page mapping of the file asks the
+page cache without any I/O. Linux answers it truthfully only to the file's owner or a process
+that may write the file; for anyone else it would report every page missing, so those probe
+with ``RWF_NOWAIT`` instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from collections.abc import Sequence
+
+from vllm_fastload.readers.memory import _load_libc
+
+PAGE = mmap.PAGESIZE
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_PROBE = bytearray(1)
+
+
+def is_cached(fd: int, offsets: Sequence[int]) -> bool:
+    """Whether the pages holding these byte offsets of the open file are all in the page cache."""
+    if _may_ask_mincore(fd):
+        answer = _mincore(fd, offsets)
+        if answer is not None:
+            return answer
+    return _nowait(fd, offsets)
+
+
+def _may_ask_mincore(fd: int) -> bool:
+    try:
+        if os.geteuid() == 0 or os.fstat(fd).st_uid == os.geteuid():
+            return True
+        return os.access(f"/proc/self/fd/{fd}", os.W_OK)
+    except OSError:
+        return False
+
+
+def _mincore(fd: int, offsets: Sequence[int]) -> bool | None:
+    """``mincore`` of a one-page shared mapping at each offset; None if the file cannot be mapped."""
+    libc = _load_libc()
+    if libc is None:
+        return None
+    if getattr(libc.mmap, "restype", None) is not ctypes.c_void_p:
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_long]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    vec = ctypes.c_ubyte(0)
+    for offset in offsets:
+        address = libc.mmap(None, PAGE, mmap.PROT_READ, mmap.MAP_SHARED, fd, offset - offset % PAGE)
+        if address is None or address == _MAP_FAILED:
+            return None
+        try:
+            if libc.mincore(address, PAGE, ctypes.byref(vec)) != 0:
+                return None
+        finally:
+            libc.munmap(address, PAGE)
+        if not vec.value & 1:
+            return False
+    return True
+
+
+def _nowait(fd: int, offsets: Sequence[int]) -> bool:
+    """A one-byte read at each offset that must not wait for the disk."""
+    nowait = getattr(os, "RWF_NOWAIT", None)
+    if nowait is None:
+        return False
+    try:
+        return all(os.preadv(fd, [_PROBE], offset, nowait) == 1 for offset in offsets)
+    except OSError:  # BlockingIOError: not cached; anything else: treat as not cached
+        return False
