@@ -118,6 +118,22 @@ def test_targets_pass_and_fail_on_the_medians_and_spread():
     assert not bench.check_targets(rows[:2], bench.parse_targets("disk-tp2"))[0]["ok"]  # TP=2 not run: missed
     with pytest.raises(SystemExit, match="unknown target 'cold'"):
         bench.parse_targets("cold")
+    # The physical floors measured in the run are printed beside the verdicts, not folded into them.
+    gigabyte = [dict(r, checkpoint_bytes=10**9, disk_read_per_rank=r["disk_read_per_rank"] * 10**6) for r in rows]
+    bounded = {(v["target"], v["tp"]): v for v in bench.check_targets(
+        gigabyte, bench.parse_targets("cold-tp2,disk-tp2"), {"disk_gbps": 0.5, "page_share_tp2": 0.58})}
+    cold = bounded[("cold-tp2", "tp2")]
+    assert not cold["ok"] and "the disk alone needs 2.00 s" in cold["detail"] and "= 1.00x default" in cold["detail"]
+    assert "whole pages: 0.580" in bounded[("disk-tp2", "tp2")]["detail"]
+
+
+def test_page_rounded_share_counts_whole_pages_of_each_ranks_slices(tmp_path: Path):
+    from vllm_fastload.checkpoints import write_checkpoint
+
+    model = write_checkpoint(tmp_path / "m", "tiny-llama", files=1)
+    whole = bench.page_rounded_share(str(model), 1)
+    assert 1.0 <= whole < 1.01  # every byte, plus the pages that tensors' ends share with the next
+    assert 0.5 < bench.page_rounded_share(str(model), 2) < whole
 
 
 def test_a_failed_start_reports_the_workers_first_error():
