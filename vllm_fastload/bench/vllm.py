@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 
 from vllm_fastload.bench.machine import MachineState, evict, release_memory
-from vllm_fastload.checkpoints import write_checkpoint
-from vllm_fastload.server import vllm_env
+from vllm_fastload.tools.checkpoints import write_checkpoint
+from vllm_fastload.tools.vllm_server import vllm_env
 
 #: name -> (load format, extra config)
 LOADERS: dict[str, tuple[str, dict | None]] = {
