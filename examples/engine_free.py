@@ -9,7 +9,7 @@ import time
 import torch
 
 import vllm_fastload
-from vllm_fastload.checkpoints import write_checkpoint
+from vllm_fastload.tools.checkpoints import write_checkpoint
 from vllm_fastload.tp_rules import rank_requests
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from vllm_fastload.checkpoints import PRESETS
+from vllm_fastload.tools.checkpoints import PRESETS
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -24,13 +24,13 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from vllm_fastload.demo import run_demo
+    from vllm_fastload.tools.demo import run_demo
 
     return run_demo(args.model, tp=args.tp, serve=not args.no_serve)
 
 
 def _make_checkpoint(args: argparse.Namespace) -> int:
-    from vllm_fastload.checkpoints import write_checkpoint
+    from vllm_fastload.tools.checkpoints import write_checkpoint
 
     path = write_checkpoint(args.directory, args.preset, files=args.files, seed=args.seed)
     print(path)

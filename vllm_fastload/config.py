@@ -2,7 +2,15 @@
 
 Users write it as a dict (vLLM's ``--model-loader-extra-config``), as ``FASTLOAD_*``
 environment variables, or in Python. Unknown keys and bad values fail loudly and name the
-field, because a typo that silently falls back to a default is the worst kind of tuning bug.
+field (and the variable it came from), because a typo that silently falls back to a default
+is the worst kind of tuning bug.
+
+The environment is read by pydantic-settings: ``FASTLOAD_<FIELD>`` for every field and
+``FASTLOAD_REMOTE__<FIELD>`` for the nested object store settings. On top of what
+pydantic-settings does by itself, ``FastloadEnv`` keeps the project's own rules: every
+``FASTLOAD_*`` variable must mean something (a typo is an error listing the known names, the
+switches in ``SWITCHES`` are not config), a value is JSON if it parses as JSON and text
+otherwise (``8``, ``false``, ``null``, ``64MiB``, ``a.b:c,d:e``), and ``.env`` files are not read.
 """
 
 from __future__ import annotations
@@ -10,16 +18,27 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from contextvars import ContextVar
+from typing import Any, Literal, get_origin
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ByteSize, Field, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
 
 from vllm_fastload.errors import ConfigError
 from vllm_fastload.sources.config import RemoteConfig
 
 ENV_PREFIX = "FASTLOAD_"
-#: Variables with our prefix that are switches, not config fields.
-_NON_CONFIG_ENV = {"FASTLOAD_TGI", "FASTLOAD_BENCH_DIR", "FASTLOAD_BENCH_CACHE", "FASTLOAD_TEST_EVENTS"}
+#: Separates a nested field in a variable's name: ``FASTLOAD_REMOTE__TIMEOUT_S=10``.
+ENV_NESTED = "__"
+#: Variables with our prefix that are switches of the project's scripts and adapters, not config fields.
+SWITCHES = frozenset({"FASTLOAD_TGI", "FASTLOAD_BENCH_DIR", "FASTLOAD_BENCH_CACHE", "FASTLOAD_TEST_EVENTS",
+                      "FASTLOAD_VENV"})
 
 LayerCallback = Callable[..., Any]
 
@@ -42,10 +61,19 @@ def usable_cpus() -> int:
         return os.cpu_count() or 2
 
 
-class FastloadConfig(BaseModel):
-    """How fastload reads a checkpoint. All fields are optional."""
+class FastloadConfig(BaseSettings):
+    """How fastload reads a checkpoint. All fields are optional.
 
-    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
+    ``FastloadConfig(**values)`` and ``FastloadConfig.from_env(**values)`` read the ``FASTLOAD_*``
+    environment and put ``values`` on top (a nested ``remote`` dict is merged key by key), as
+    the vLLM loader does with ``--model-loader-extra-config``. ``FastloadConfig.build(values)``
+    takes exactly ``values``: a config handed to ``vllm_fastload.open`` or TGI's ``FastWeights``
+    is used as it is, whatever the environment says.
+    """
+
+    model_config = SettingsConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True,
+                                      env_prefix=ENV_PREFIX, env_nested_delimiter=ENV_NESTED,
+                                      case_sensitive=True)  # FastloadEnv makes the part after the prefix case-blind
 
     backend: Literal["auto", "host", "cuda", "kvikio"] = Field(
         "auto", description="Reader: 'host' (threaded pread into host memory), 'cuda' (pinned "
@@ -114,42 +142,174 @@ class FastloadConfig(BaseModel):
         return self
 
     @classmethod
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+                                   env_settings: PydanticBaseSettingsSource,
+                                   dotenv_settings: PydanticBaseSettingsSource,
+                                   file_secret_settings: PydanticBaseSettingsSource,
+                                   ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Arguments first, then the environment; no ``.env`` file or secrets directory is read behind
+        the user's back."""
+        return init_settings, FastloadEnv(settings_cls)
+
+    @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> FastloadConfig:
-        """Values from ``FASTLOAD_<FIELD>`` variables, then ``overrides`` on top."""
-        values = _env_values(os.environ if environ is None else environ)
-        values.update(overrides)
-        return cls.build(values)
+        """Values from ``FASTLOAD_*`` variables (of ``environ``, default this process's), then ``overrides``
+        on top; a bad value is a ``ConfigError`` naming the field and the variable it came from."""
+        environ = os.environ if environ is None else environ
+        names = {name.upper(): name for name in environ if name.startswith(ENV_PREFIX)}
+        return cls._validated(overrides, environ, lambda loc: _variable_for(loc, overrides, names))
 
     @classmethod
     def build(cls, values: Mapping[str, Any] | FastloadConfig | None = None) -> FastloadConfig:
-        """Validate a dict (e.g. vLLM's extra config) into a config, with one clear error."""
+        """Validate exactly ``values`` (e.g. vLLM's extra config; no environment), with one clear error."""
         if isinstance(values, FastloadConfig):
             return values
+        return cls._validated(dict(values or {}), {}, lambda loc: None)
+
+    @classmethod
+    def _validated(cls, values: Mapping[str, Any], environ: Mapping[str, str],
+                   variable_for: Callable[[tuple], str | None]) -> FastloadConfig:
+        # pydantic-settings takes keyword arguments that start with "_" as its own options
+        # (``_cli_parse_args`` would parse sys.argv): from a dict they are unknown keys like any other.
+        private = sorted(key for key in values if isinstance(key, str) and key.startswith("_"))
+        if private:
+            raise ConfigError(f"invalid fastload configuration: {private[0]}: Extra inputs are not permitted "
+                              f"(known fields: {', '.join(cls.model_fields)})")
+        token = _ENVIRON.set(environ)
         try:
-            return cls(**dict(values or {}))
+            return cls(**values)
         except ValidationError as exc:
-            problems = "; ".join(
-                f"{'.'.join(str(p) for p in err['loc']) or 'config'}: {err['msg']}" for err in exc.errors())
-            known = ", ".join(cls.model_fields)
-            raise ConfigError(f"invalid fastload configuration: {problems} (known fields: {known})") from None
+            raise ConfigError(_message(cls, exc, variable_for)) from None
+        finally:
+            _ENVIRON.reset(token)
 
 
-def _env_values(environ: Mapping[str, str]) -> dict[str, Any]:
-    values: dict[str, Any] = {}
-    for key, raw in environ.items():
-        if not key.startswith(ENV_PREFIX) or key in _NON_CONFIG_ENV:
-            continue
-        field = key[len(ENV_PREFIX):].lower()
-        if field not in FastloadConfig.model_fields:
-            raise ConfigError(f"unknown environment variable {key} (fastload reads "
-                              f"{', '.join(ENV_PREFIX + f.upper() for f in FastloadConfig.model_fields)})")
-        values[field] = _parse_env_value(raw)
-    return values
+#: The environment ``FastloadEnv`` reads when none is given: ``from_env``'s (``{}`` for ``build``), else ``os.environ``.
+_ENVIRON: ContextVar[Mapping[str, str] | None] = ContextVar("fastload_environ", default=None)
 
 
-def _parse_env_value(raw: str) -> Any:
-    """Env values are strings; accept JSON scalars/lists too (``8``, ``true``, ``null``)."""
+class FastloadEnv(EnvSettingsSource):
+    """pydantic-settings' environment source with fastload's rules (see the module docstring).
+
+    Only variables that start with ``FASTLOAD_`` (in capitals, like every variable we document)
+    are seen, minus the ``SWITCHES``; the rest of the name is case-blind, as field names are lower case.
+    """
+
+    def __init__(self, settings_cls: type[BaseSettings], environ: Mapping[str, str] | None = None) -> None:
+        super().__init__(settings_cls)
+        if environ is None:
+            environ = _ENVIRON.get()
+        if environ is None:
+            environ = os.environ
+        #: The variables as the user wrote them, for checking their names.
+        self.variables = {name: value for name, value in environ.items()
+                          if name.startswith(ENV_PREFIX) and name not in SWITCHES}
+        # What pydantic-settings matches against ``FASTLOAD_`` + field name (+ ``__`` + nested field name).
+        self.env_vars = {ENV_PREFIX + name[len(ENV_PREFIX):].lower(): value for name, value in self.variables.items()}
+
+    def __call__(self) -> dict[str, Any]:
+        for name in sorted(self.variables):
+            _check_name(name, self.settings_cls)
+        return super().__call__()
+
+    def prepare_field_value(self, field_name: str, field: FieldInfo, value: Any, value_is_complex: bool) -> Any:
+        if isinstance(value, str):  # FASTLOAD_<FIELD> is set
+            value = _json_or_text(value)
+            if isinstance(value, dict):  # a JSON object, which FASTLOAD_<FIELD>__<KEY> variables refine
+                return _merged(value, self.explode_env_vars(field_name, field, self.env_vars))
+            return value
+        return super().prepare_field_value(field_name, field, value, value_is_complex)  # nested variables only
+
+    def explode_env_vars(self, field_name: str, field: FieldInfo, env_vars: Mapping[str, str | None]) -> dict[str, Any]:
+        return _decode_leaves(field.annotation, super().explode_env_vars(field_name, field, env_vars))
+
+    def decode_complex_value(self, field_name: str, field: FieldInfo, value: Any) -> Any:
+        # Not JSON: the text itself, which validation then refuses with a message that names the field
+        # and never repeats the value (it may be a credential).
+        return _json_or_text(value)
+
+
+def _json_or_text(raw: str) -> Any:
+    """Env values are strings; accept JSON too (``8``, ``true``, ``null``, ``["a:b"]``, ``{"timeout_s": 10}``)."""
     try:
         return json.loads(raw)
     except json.JSONDecodeError:
         return raw
+
+
+def _is_model(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
+def _decode_leaves(annotation: Any, values: dict[str, Any]) -> dict[str, Any]:
+    """Give ``FASTLOAD_REMOTE__TIMEOUT_S=10`` the same value syntax as a top-level variable; the entries
+    of a dict field (``store_options``: credentials) stay the text they were."""
+    if not _is_model(annotation):
+        return values
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        field = annotation.model_fields.get(key)
+        if field is not None and isinstance(value, dict):
+            out[key] = _decode_leaves(field.annotation, value)
+        elif field is not None and isinstance(value, str) and get_origin(field.annotation) is not dict:
+            out[key] = _json_or_text(value)
+        else:
+            out[key] = value
+    return out
+
+
+def _merged(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = _merged(out[key], value) if isinstance(out.get(key), dict) and isinstance(value, Mapping) else value
+    return out
+
+
+def _check_name(name: str, model: type[BaseModel]) -> None:
+    """An unknown ``FASTLOAD_*`` variable is an error that lists the names fastload reads there."""
+    parts = name[len(ENV_PREFIX):].lower().split(ENV_NESTED)
+    prefix = ENV_PREFIX
+    for depth, part in enumerate(parts):
+        fields = model.model_fields
+        if part not in fields:
+            known = ", ".join(prefix + f.upper() for f in fields)
+            nested = "; fields of a nested object as FASTLOAD_<FIELD>__<NAME>" if depth == 0 else ""
+            raise ConfigError(f"unknown environment variable {name} (fastload reads {known}{nested})")
+        annotation = fields[part].annotation
+        rest = parts[depth + 1:]
+        if not rest:
+            return
+        if _is_model(annotation):
+            model, prefix = annotation, f"{prefix}{part.upper()}{ENV_NESTED}"
+            continue
+        if get_origin(annotation) is dict and len(rest) == 1 and rest[0]:
+            return  # one entry of a dict field, e.g. FASTLOAD_REMOTE__STORE_OPTIONS__ALLOW_HTTP
+        raise ConfigError(f"unknown environment variable {name} ({prefix}{part.upper()} has no nested fields)")
+
+
+def _variable_for(loc: tuple[int | str, ...], overrides: Mapping[str, Any], names: Mapping[str, str]) -> str | None:
+    """The variable a bad value at ``loc`` came from, unless the caller's ``overrides`` gave it."""
+    node: Any = overrides
+    for part in loc:
+        if not isinstance(node, Mapping):
+            return None  # inside an explicit object (e.g. a RemoteConfig)
+        if part not in node:
+            break
+        node = node[part]
+    else:
+        return None
+    for depth in range(len(loc), 0, -1):
+        name = names.get(ENV_PREFIX + ENV_NESTED.join(str(p).upper() for p in loc[:depth]))
+        if name is not None:
+            return name
+    return None
+
+
+def _message(cls: type[BaseModel], exc: ValidationError, variable_for: Callable[[tuple], str | None]) -> str:
+    """One line for every problem: field (and variable), pydantic's message; never the value itself."""
+    problems = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "config"
+        variable = variable_for(err["loc"]) if err["loc"] else None
+        problems.append(f"{where}{f' (from {variable})' if variable else ''}: {err['msg']}")
+    return f"invalid fastload configuration: {'; '.join(problems)} (known fields: {', '.join(cls.model_fields)})"

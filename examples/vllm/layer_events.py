@@ -23,7 +23,7 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
 
-    from vllm_fastload.checkpoints import write_checkpoint
+    from vllm_fastload.tools.checkpoints import write_checkpoint
 
     model = sys.argv[1] if len(sys.argv) > 1 else str(write_checkpoint(".fastload/example-model", "tiny-llama"))
     llm = LLM(model=model, load_format="fastload", max_model_len=128, enforce_eager=True, dtype="bfloat16",

@@ -19,7 +19,7 @@ from safetensors import safe_open
 import vllm_fastload
 from vllm_fastload import cli
 from vllm_fastload.bench import gpu as bench
-from vllm_fastload.checkpoints import tensor_shapes, write_random_checkpoint
+from vllm_fastload.tools.checkpoints import tensor_shapes, write_random_checkpoint
 from vllm_fastload.tp_rules import rank_requests
 
 from ._util import assert_bitexact

@@ -11,7 +11,8 @@ import torch
 
 import vllm_fastload
 from vllm_fastload import ConfigError, FastloadConfig, LayerEvent, TensorRequest
-from vllm_fastload.config import default_threads
+from vllm_fastload.config import SWITCHES, default_threads
+from vllm_fastload.sources.config import RemoteConfig
 
 from ._util import open_ckpt, random_tensor, save
 
@@ -102,13 +103,134 @@ def test_from_env():
 def test_from_env_unknown_variable():
     with pytest.raises(ConfigError) as info:
         FastloadConfig.from_env({"FASTLOAD_FOO": "1"})
-    assert "FASTLOAD_FOO" in str(info.value)
+    message = str(info.value)
+    assert "unknown environment variable FASTLOAD_FOO" in message
+    for field in FastloadConfig.model_fields:               # the error lists every name fastload reads
+        assert f"FASTLOAD_{field.upper()}" in message
+    assert "FASTLOAD_TGI" not in message                     # switches are not config
 
 
-def test_from_env_bad_value_names_field():
+def test_env_switches_and_other_variables_are_not_config():
+    switches = {name: "1" for name in SWITCHES}
+    assert {"FASTLOAD_TGI", "FASTLOAD_BENCH_DIR", "FASTLOAD_BENCH_CACHE", "FASTLOAD_TEST_EVENTS",
+            "FASTLOAD_VENV"} <= set(switches)
+    # Only the capitalised prefix is ours (as before); the field part of the name is case-blind.
+    env = {**switches, "fastload_threds": "1", "XFASTLOAD_FOO": "1", "FASTLOAD_Threads": "3"}
+    assert FastloadConfig.from_env(env).threads == 3
+
+
+@pytest.mark.parametrize("name", ["FASTLOAD_THREDS", "FASTLOAD_REMOTE_TIMEOUT_S", "FASTLOAD_THREADS__MAX",
+                                  "FASTLOAD_", "FASTLOAD_REMOTE__STORE_OPTIONS__A__B"])
+def test_unknown_variable_stops_every_reading_of_the_environment(name: str, monkeypatch):
+    monkeypatch.setenv(name, "1")
+    for make in (FastloadConfig.from_env, FastloadConfig):
+        with pytest.raises(ConfigError, match=f"unknown environment variable {name} "):
+            make()
+    assert FastloadConfig.build({"threads": 2}).threads == 2    # an explicit config does not read it
+
+
+def test_unknown_nested_variable_lists_the_nested_names():
     with pytest.raises(ConfigError) as info:
-        FastloadConfig.from_env({"FASTLOAD_THREADS": "0"})
-    assert "threads" in str(info.value)
+        FastloadConfig.from_env({"FASTLOAD_REMOTE__TIMEOUT": "10"})
+    message = str(info.value)
+    assert "FASTLOAD_REMOTE__TIMEOUT " in message
+    for field in RemoteConfig.model_fields:
+        assert f"FASTLOAD_REMOTE__{field.upper()}" in message
+
+
+def test_environment_under_explicit_arguments(tmp_path: Path, monkeypatch):
+    """Arguments win over the environment; a config given whole (a dict or object) does not read it."""
+    monkeypatch.setenv("FASTLOAD_THREADS", "3")
+    monkeypatch.setenv("FASTLOAD_PROGRESS", "false")
+    for make in (FastloadConfig, FastloadConfig.from_env):
+        c = make(threads=5)
+        assert (c.threads, c.progress) == (5, False)
+        assert make().threads == 3
+    assert FastloadConfig.from_env({"FASTLOAD_THREADS": "7"}, threads=6).threads == 6
+    assert FastloadConfig.from_env({"FASTLOAD_THREADS": "7"}).threads == 7   # the given mapping, not os.environ
+    explicit = FastloadConfig.build({"threads": 5})
+    assert (explicit.threads, explicit.progress) == (5, True)
+    path = save(tmp_path / "m.safetensors", {"a": torch.ones(1)})
+    with vllm_fastload.open(path, config={"threads": 4}) as ckpt:
+        assert (ckpt.config.threads, ckpt.config.progress) == (4, True)
+    with vllm_fastload.open(path) as ckpt:
+        assert (ckpt.config.threads, ckpt.config.progress) == (3, False)
+
+
+def test_nested_remote_fields_from_env():
+    c = FastloadConfig.from_env({"FASTLOAD_REMOTE__TIMEOUT_S": "10", "FASTLOAD_REMOTE__REQUEST_SIZE": "16MiB",
+                                 "FASTLOAD_REMOTE__ANONYMOUS": "true", "FASTLOAD_REMOTE__ENDPOINT": "http://127.0.0.1:9",
+                                 "FASTLOAD_REMOTE__VIRTUAL_HOSTED_STYLE": "null"})
+    r = c.remote
+    assert (r.timeout_s, r.request_size, r.anonymous, r.endpoint) == (10, 16 * MiB, True, "http://127.0.0.1:9")
+    assert r.virtual_hosted_style is None and r.max_in_flight == RemoteConfig().max_in_flight
+    # FASTLOAD_REMOTE (JSON) and FASTLOAD_REMOTE__<FIELD> combine, the single field winning; arguments
+    # (vLLM's extra config) go on top key by key, so the environment's endpoint survives a tuning override.
+    env = {"FASTLOAD_REMOTE": '{"timeout_s": 10, "max_retries": 2, "region": "eu-1"}',
+           "FASTLOAD_REMOTE__TIMEOUT_S": "20"}
+    r = FastloadConfig.from_env(env, remote={"max_retries": 3}).remote
+    assert (r.timeout_s, r.max_retries, r.region) == (20, 3, "eu-1")
+    r = FastloadConfig.from_env(env, remote=RemoteConfig(max_retries=4)).remote     # an object replaces
+    assert (r.timeout_s, r.max_retries, r.region) == (RemoteConfig().timeout_s, 4, None)
+    with pytest.raises(ConfigError, match=r"remote\.timeout_s \(from FASTLOAD_REMOTE__TIMEOUT_S\)"):
+        FastloadConfig.from_env({"FASTLOAD_REMOTE__TIMEOUT_S": "-1"})
+
+
+@pytest.mark.parametrize(("env", "where"), [
+    ({"FASTLOAD_THREADS": "0"}, "threads (from FASTLOAD_THREADS)"),
+    ({"FASTLOAD_THREADS": "many"}, "threads (from FASTLOAD_THREADS)"),
+    ({"FASTLOAD_READ_SIZE": "lots"}, "read_size (from FASTLOAD_READ_SIZE)"),
+    ({"FASTLOAD_BACKEND": "gpu"}, "backend (from FASTLOAD_BACKEND)"),
+    ({"FASTLOAD_Progress": "perhaps"}, "progress (from FASTLOAD_Progress)"),
+    ({"FASTLOAD_ON_LAYER_READY": "no_colon"}, "on_layer_ready (from FASTLOAD_ON_LAYER_READY)"),
+    ({"FASTLOAD_REMOTE": '{"timeout_s": -1}'}, "remote.timeout_s (from FASTLOAD_REMOTE)"),
+    ({"FASTLOAD_REMOTE": "not json"}, "remote (from FASTLOAD_REMOTE)"),
+    ({"FASTLOAD_REMOTE__MAX_IN_FLIGHT": "0"}, "remote.max_in_flight (from FASTLOAD_REMOTE__MAX_IN_FLIGHT)"),
+])
+def test_from_env_bad_value_names_the_variable(env: dict, where: str):
+    with pytest.raises(ConfigError) as info:
+        FastloadConfig.from_env(env)
+    assert where in str(info.value)
+
+
+def test_bad_explicit_value_is_not_blamed_on_the_environment():
+    with pytest.raises(ConfigError) as info:
+        FastloadConfig.from_env({"FASTLOAD_THREADS": "4"}, threads=0)
+    assert "threads: " in str(info.value) and "FASTLOAD_THREADS" not in str(info.value)
+
+
+def test_secrets_from_env_stay_out_of_reprs_and_errors():
+    secret = "s3cr3t-v4lue"
+    env = {"FASTLOAD_REMOTE__STORE_OPTIONS__AWS_SECRET_ACCESS_KEY": secret,
+           "FASTLOAD_REMOTE__STORE_OPTIONS__AWS_ACCESS_KEY_ID": "0123"}
+    c = FastloadConfig.from_env(env)
+    options = c.remote.store_options
+    assert options["aws_secret_access_key"].get_secret_value() == secret
+    assert options["aws_access_key_id"].get_secret_value() == "0123"     # text as given, not JSON-decoded
+    assert secret not in repr(c) and secret not in str(c) and secret not in str(c.model_dump())
+    bad_envs = [
+        {**env, "FASTLOAD_THREADS": "0"},
+        {**env, "FASTLOAD_REMOTE__TIMEOUT_S": secret},
+        {"FASTLOAD_REMOTE": f'{{"store_options": {{"key": "{secret}"}}, "timeout_s": "{secret}"}}'},
+        {"FASTLOAD_REMOTE": secret},
+        {"FASTLOAD_REMOTE__STORE_OPTIONS": secret},
+        {"FASTLOAD_REMOTE__STORE_OPTIONS": f'{{"key": ["{secret}"]}}'},
+        {"FASTLOAD_FOO": secret},
+    ]
+    for bad in bad_envs:
+        with pytest.raises(ConfigError) as info:
+            FastloadConfig.from_env(bad)
+        assert secret not in str(info.value), bad
+
+
+def test_private_keys_are_unknown_keys(monkeypatch):
+    """pydantic-settings reads keyword arguments such as ``_cli_parse_args`` as its own options."""
+    monkeypatch.setattr("sys.argv", ["prog", "--threads", "2"])
+    for values in ({"_cli_parse_args": True}, {"_env_prefix": "X_"}):
+        with pytest.raises(ConfigError, match=f"{next(iter(values))}: Extra inputs are not permitted"):
+            FastloadConfig.build(values)
+        with pytest.raises(ConfigError, match="Extra inputs are not permitted"):
+            FastloadConfig.from_env({}, **values)
 
 
 def test_open_without_config_reads_the_environment(tmp_path: Path, monkeypatch):

@@ -12,7 +12,6 @@ import torch
 from safetensors import safe_open
 
 import vllm_fastload
-from vllm_fastload.checkpoints import write_checkpoint
 from vllm_fastload.errors import (
     CheckpointError,
     FileChangedError,
@@ -25,6 +24,7 @@ from vllm_fastload.errors import (
     TruncatedFileError,
 )
 from vllm_fastload.format import MAX_HEADER_BYTES, read_safetensors_file
+from vllm_fastload.tools.checkpoints import write_checkpoint
 
 from ._util import (
     ALL_DTYPES,

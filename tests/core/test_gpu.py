@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vllm_fastload import CheckpointError, TensorRequest
-from vllm_fastload.checkpoints import write_checkpoint
+from vllm_fastload.tools.checkpoints import write_checkpoint
 from vllm_fastload.tp_rules import rank_requests
 
 from ._util import ALL_DTYPES, assert_bitexact, open_ckpt, random_tensor, save

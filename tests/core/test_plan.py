@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vllm_fastload import TensorRequest
-from vllm_fastload.checkpoints import PRESETS, tensor_shapes, write_checkpoint
 from vllm_fastload.layers import EMBEDDINGS, FINAL, LAYER, LayerKey, layer_key
 from vllm_fastload.plan import BUFFER_ALIGN, Plan
+from vllm_fastload.tools.checkpoints import PRESETS, tensor_shapes, write_checkpoint
 
 from ._util import assert_bitexact, open_ckpt, random_tensor, save
 

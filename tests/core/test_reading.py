@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 
 from vllm_fastload import InvalidRequestError, TensorNotFoundError, TensorRequest
-from vllm_fastload.checkpoints import write_checkpoint
 from vllm_fastload.errors import CheckpointError
+from vllm_fastload.tools.checkpoints import write_checkpoint
 
 from ._util import (
     ALL_DTYPES,

@@ -17,7 +17,7 @@ pytest.importorskip("obstore", reason="the [remote] extra (obstore) is not insta
 boto3 = pytest.importorskip("boto3", reason="moto[server] (with boto3) is not installed")
 pytest.importorskip("moto", reason="moto[server] is not installed")
 
-from vllm_fastload.checkpoints import write_checkpoint  # noqa: E402
+from vllm_fastload.tools.checkpoints import write_checkpoint  # noqa: E402
 
 from .s3server import ACCESS_KEY_ID, BUCKET, PREFIX, SECRET, FaultProxy, MotoServer, S3Env  # noqa: E402
 

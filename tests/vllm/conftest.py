@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from vllm_fastload.checkpoints import write_checkpoint
+from vllm_fastload.tools.checkpoints import write_checkpoint
 
 HERE = Path(__file__).parent
 

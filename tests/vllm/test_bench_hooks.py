@@ -128,7 +128,7 @@ def test_targets_pass_and_fail_on_the_medians_and_spread():
 
 
 def test_page_rounded_share_counts_whole_pages_of_each_ranks_slices(tmp_path: Path):
-    from vllm_fastload.checkpoints import write_checkpoint
+    from vllm_fastload.tools.checkpoints import write_checkpoint
 
     model = write_checkpoint(tmp_path / "m", "tiny-llama", files=1)
     whole = bench.page_rounded_share(str(model), 1)

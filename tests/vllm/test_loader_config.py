@@ -20,3 +20,24 @@ def test_credentials_in_the_extra_config_are_refused():
     assert "s3cr3t-value" not in str(err.value)
     loader = _loader({"threads": 3, "direct_io": "never", "remote": {"store_options": {"allow_http": "true"}}})
     assert loader.config.threads == 3 and loader.config.direct_io == "never"
+
+
+def test_extra_config_goes_over_the_environment(monkeypatch):
+    """The loader reads FASTLOAD_* first and puts --model-loader-extra-config on top, key by key in
+    ``remote``, so the environment's endpoint and credentials survive a tuning override."""
+    monkeypatch.setenv("FASTLOAD_THREADS", "3")
+    monkeypatch.setenv("FASTLOAD_PROGRESS", "false")
+    monkeypatch.setenv("FASTLOAD_REMOTE__ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setenv("FASTLOAD_REMOTE__STORE_OPTIONS__AWS_SECRET_ACCESS_KEY", "s3cr3t-value")
+    config = _loader({"threads": 2, "remote": {"max_in_flight": 4}}).config
+    assert (config.threads, config.progress) == (2, False)
+    assert (config.remote.endpoint, config.remote.max_in_flight) == ("http://127.0.0.1:9", 4)
+    assert config.remote.store_options["aws_secret_access_key"].get_secret_value() == "s3cr3t-value"
+    monkeypatch.setenv("FASTLOAD_REMOTE__TIMEOUT_S", "soon")
+    with pytest.raises(ConfigError, match=r"remote\.timeout_s \(from FASTLOAD_REMOTE__TIMEOUT_S\)") as err:
+        _loader({})
+    assert "s3cr3t-value" not in str(err.value)
+    monkeypatch.delenv("FASTLOAD_REMOTE__TIMEOUT_S")
+    monkeypatch.setenv("FASTLOAD_THREDS", "3")
+    with pytest.raises(ConfigError, match="unknown environment variable FASTLOAD_THREDS"):
+        _loader({"threads": 2})

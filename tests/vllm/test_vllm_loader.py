@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_fastload.server import SMALL_MODEL_FLAGS, VllmServer
+from vllm_fastload.tools.vllm_server import SMALL_MODEL_FLAGS, VllmServer
 
 from .conftest import ARCHITECTURES, HERE, UNUSED_TENSOR, rewrite, run_scenario
 

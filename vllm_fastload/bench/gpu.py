@@ -47,9 +47,9 @@ import torch
 import vllm_fastload
 from vllm_fastload.bench.core import status_kb
 from vllm_fastload.bench.machine import evict
-from vllm_fastload.checkpoints import ModelSpec, write_random_checkpoint
 from vllm_fastload.config import FastloadConfig, usable_cpus
 from vllm_fastload.tensors import dtype_of, shape_of
+from vllm_fastload.tools.checkpoints import ModelSpec, write_random_checkpoint
 from vllm_fastload.tp_rules import rank_requests
 
 #: Llama-3-8B's shapes (GQA 32/8 heads, 128K vocabulary); ``--layers`` of its 32 layers.

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import vllm_fastload
 from vllm_fastload.bench.machine import MachineState, evict, release_memory
-from vllm_fastload.checkpoints import write_checkpoint
-from vllm_fastload.server import vllm_env
+from vllm_fastload.tools.checkpoints import write_checkpoint
+from vllm_fastload.tools.vllm_server import vllm_env
 from vllm_fastload.tp_rules import rank_requests
 
 #: name -> (load format, extra config)

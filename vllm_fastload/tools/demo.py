@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 import vllm_fastload
-from vllm_fastload.checkpoints import ModelSpec, write_checkpoint
-from vllm_fastload.server import SMALL_MODEL_FLAGS, VllmServer
+from vllm_fastload.tools.checkpoints import ModelSpec, write_checkpoint
+from vllm_fastload.tools.vllm_server import SMALL_MODEL_FLAGS, VllmServer
 
 DEMO_SPEC = ModelSpec(hidden=512, intermediate=1408, layers=8, heads=8, kv_heads=4, vocab=4000)
 DEMO_DIR = Path(".fastload/demo-model")

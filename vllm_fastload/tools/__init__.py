@@ -1,0 +1,12 @@
+"""Helpers around the loader, not part of it: the demo, random test/benchmark checkpoints, a vLLM server.
+
+The package root holds only the loading pipeline (format -> plan -> read -> deliver) and its
+public API; what the demo, the tests and the benchmarks need to set themselves up lives here:
+
+- ``checkpoints``: small random Hugging Face checkpoints (config.json + safetensors), since the
+  machines we test on have no internet (``vllm-fastload make-checkpoint``);
+- ``vllm_server``: start vLLM's OpenAI-compatible server in a subprocess and talk to it;
+- ``demo``: the main job behind ``vllm-fastload demo`` and ``scripts/demo.sh``.
+
+Nothing here is imported by the pipeline or by the vLLM/TGI adapters.
+"""
