@@ -49,6 +49,9 @@ class FastloadModelLoader(BaseModelLoader):
         extra = load_config.model_loader_extra_config or {}
         _refuse_secrets(extra)
         self.config = FastloadConfig.from_env(**extra)
+        #: What the last ``load_weights`` did on this rank (also logged): for tests and tools that
+        #: load in-process, e.g. tests/vllm/zoo.py.
+        self.report: dict = {}
 
     # -- BaseModelLoader --------------------------------------------------------------------
     def download_model(self, model_config: ModelConfig) -> None:
@@ -65,6 +68,7 @@ class FastloadModelLoader(BaseModelLoader):
             tensors = {name: (shape_of(info), dtype_of(info)) for name, info in infos.items()}
             probe = probe_model(model, tensors)
             probe_s = time.perf_counter() - start
+            kept = None if probe.unsupported else _bytes_kept(probe, infos)
             if probe.unsupported:
                 logger.warning("fastload: reading every tensor in full through load_weights on rank %d: %s",
                                rank, probe.unsupported[0])
@@ -82,6 +86,10 @@ class FastloadModelLoader(BaseModelLoader):
                     "(%.2f GB/s; planning %.2f s); %s", rank, world, nbytes / 1e6, ckpt.checkpoint.total_bytes / 1e6,
                     nbytes / max(ckpt.checkpoint.total_bytes, 1), backend,
                     elapsed, nbytes / max(elapsed, 1e-9) / 1e9, probe_s, summary)
+        self.report = {"rank": rank, "world": world, "planned": not probe.unsupported,
+                       "fallback_reason": probe.unsupported[0] if probe.unsupported else None,
+                       "bytes_read": nbytes, "bytes_kept": kept, "bytes_total": ckpt.checkpoint.total_bytes,
+                       "summary": summary}
         self._check_complete(model, model_config, loaded, path)
 
     # -- the two ways of loading ------------------------------------------------------------
@@ -215,6 +223,17 @@ def _check_fully_used(probe: ProbeResult, infos: dict) -> None:
                 f"checkpoint tensor has shape {list(info.shape)} but the model takes only {used} of its "
                 f"{info.numel} elements (into {placements[0].parameter} {shapes}): the checkpoint does not "
                 "match the model", file=info.file, tensor=name)
+
+
+def _bytes_kept(probe: ProbeResult, infos: dict) -> int:
+    """Checkpoint bytes this rank's parameters take (sources of the recorded writes; a region read
+    by several writes counts once per tensor up to the tensor's size): the floor for bytes read."""
+    total = 0
+    for name, placements in probe.placements.items():
+        info = infos[name]
+        used = min(sum(math.prod(p.src_shape) for p in placements), info.numel)
+        total += used * info.nbytes // max(info.numel, 1)
+    return total
 
 
 def _model_device(model: nn.Module) -> torch.device:

@@ -97,10 +97,14 @@ class _MemoryIndex:
     """Which named parameter or buffer a real tensor's memory belongs to."""
 
     def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._index()
+
+    def _index(self) -> None:
         spans = []
         seen = set()
         self.numel: dict[str, int] = {}
-        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        for name, t in [*self.model.named_parameters(), *self.model.named_buffers()]:
             if t.is_meta or t.numel() == 0 or t.data_ptr() in seen:
                 continue
             seen.add(t.data_ptr())
@@ -110,10 +114,18 @@ class _MemoryIndex:
         self._starts = [s[0] for s in spans]
         self._spans = spans
 
-    def owner(self, t: torch.Tensor) -> str | None:
+    def owner(self, t: torch.Tensor, refresh: bool = False) -> str | None:
+        """``refresh``: look again at the model when not found, for parameters registered inside
+        ``load_weights`` (the Transformers backend adds an lm_head bias only when it sees one)."""
         if t.is_meta or t.numel() == 0:
             return None
-        ptr = t.data_ptr()
+        found = self._lookup(t.data_ptr())
+        if found is None and refresh:
+            self._index()
+            found = self._lookup(t.data_ptr())
+        return found
+
+    def _lookup(self, ptr: int) -> str | None:
         i = bisect.bisect_right(self._starts, ptr) - 1
         if i >= 0 and ptr < self._spans[i][1]:
             return self._spans[i][2]
@@ -138,7 +150,7 @@ class _Recorder(TorchFunctionMode):
 
     def _record(self, dest: torch.Tensor, src: torch.Tensor) -> None:
         name = self._source(src)
-        owner = self.memory.owner(dest)
+        owner = self.memory.owner(dest, refresh=True)
         if name is None:
             self.result.unsupported.append(
                 f"a tensor computed from checkpoint data (not a view of one tensor) is copied into "
@@ -212,7 +224,7 @@ def probe_model(model: nn.Module, tensors: Mapping[str, tuple[tuple[int, ...], t
         result.unsupported.append(f"load_weights cannot run on placeholders: {type(exc).__name__}: {exc}")
         return result
     result.loaded_params = set(loaded) if loaded is not None else None
-    result.numel = memory.numel
+    result.numel = memory.numel  # after the probe: includes parameters registered during it
     leftovers = [n for n in _meta_tensors_in(model) if n not in meta_before]
     if leftovers:
         result.unsupported.append(f"placeholders were kept by the model: {', '.join(leftovers[:5])}")

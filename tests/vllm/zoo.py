@@ -1,0 +1,245 @@
+"""The architecture zoo: many model families through vLLM's own loader interface, cheaply.
+
+A full ``LLM(...)`` start costs ~1 min, so a zoo of 20+ families x 2 formats would take most of
+CI's budget. Instead ONE pair of processes (TP=2, gloo on CPU) sets up vLLM's distributed state
+once, the way vLLM's CPU workers do (``init_distributed_environment`` +
+``ensure_model_parallel_initialized`` under ``set_current_vllm_config``), and then, per family:
+``EngineArgs(...).create_engine_config()`` -> ``get_model_loader(load_config)`` ->
+``loader.load_model(vllm_config=..., model_config=...)`` with vLLM's default loader (``auto``) and
+with ``fastload`` (registered through the ``vllm.general_plugins`` entry point), digesting every
+parameter and buffer on each rank.
+
+Run: python zoo.py OUT_DIR TP CHECKPOINT_DIR [CHECKPOINT_DIR ...]
+Writes OUT_DIR/rank{r}.json: {family: {"auto": digests, "fastload": digests, "report": fastload's
+per-rank report, "seconds": {...}} or {"error": ..., "traceback": ...}}.
+Checkpoints are built by ``build_family`` (transformers' own model classes, several shards).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+#: Common tiny sizes: head size 64 (vLLM-CPU attention supports 32, 64, 80, 96, ...), two heads so
+#: TP=2 splits them, vocab not a multiple of 64 so vLLM pads it.
+BASE = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 2, "num_hidden_layers": 2,
+        "intermediate_size": 256, "vocab_size": 300, "max_position_embeddings": 256,
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+MOE = {"num_local_experts": 4, "num_experts_per_tok": 2}
+
+#: family -> (transformers model_type, config overrides, what it exercises).
+FAMILIES: dict[str, tuple[str, dict, str]] = {
+    "llama": ("llama", {"num_key_value_heads": 1}, "GQA, one kv head replicated on both ranks"),
+    "mistral": ("mistral", {}, "dense, sliding window config"),
+    "qwen2": ("qwen2", {}, "qkv biases"),
+    "qwen3": ("qwen3", {"head_dim": 64}, "q/k norms"),
+    "gemma": ("gemma", {"head_dim": 64}, "tied embeddings, (1+w) norms"),
+    "gemma2": ("gemma2", {"head_dim": 64, "query_pre_attn_scalar": 64}, "extra pre/post feed-forward norms"),
+    "gemma3": ("gemma3_text", {"head_dim": 64, "query_pre_attn_scalar": 64}, "extra norms, q/k norms"),
+    "olmo2": ("olmo2", {}, "post-norms, q/k norms over all heads"),
+    "cohere": ("cohere", {}, "parallel attention/MLP, tied embeddings, norms without bias"),
+    "granite": ("granite", {}, "scaled residuals"),
+    "phi3": ("phi3", {}, "pre-fused qkv_proj and gate_up_proj"),
+    "phi": ("phi", {"partial_rotary_factor": 0.5}, "biases everywhere, dense layer norm"),
+    "stablelm": ("stablelm", {}, "layer norms with bias"),
+    "starcoder2": ("starcoder2", {}, "biases, plain MLP"),
+    "gpt_neox": ("gpt_neox", {}, "fused per-head interleaved query_key_value"),
+    "gptj": ("gptj", {"n_embd": 128, "n_head": 2, "n_layer": 2, "rotary_dim": 32}, "parallel block, lm_head bias"),
+    "falcon": ("falcon", {"new_decoder_architecture": True, "num_kv_heads": 2},
+               "fused per-group interleaved query_key_value"),
+    "bloom": ("bloom", {"n_embed": 128, "n_head": 2, "n_layer": 2}, "fused per-head interleaved qkv, ALiBi"),
+    "gpt2": ("gpt2", {"n_embd": 128, "n_head": 2, "n_layer": 2, "n_positions": 256}, "Conv1D (transposed) weights"),
+    "gpt_bigcode": ("gpt_bigcode", {"n_embd": 128, "n_head": 2, "n_layer": 2, "n_positions": 256,
+                                    "multi_query": True}, "multi-query fused c_attn"),
+    "mixtral": ("mixtral", MOE, "MoE"),
+    "qwen2_moe": ("qwen2_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                                "shared_expert_intermediate_size": 128}, "MoE with a gated shared expert"),
+    "qwen3_moe": ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                                "head_dim": 64}, "MoE, q/k norms"),
+    "olmoe": ("olmoe", {"num_experts": 4, "num_experts_per_tok": 2}, "MoE, q/k norms"),
+    "deepseek_v2": ("deepseek_v2", {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+                                    "moe_intermediate_size": 64, "first_k_dense_replace": 1, "kv_lora_rank": 64,
+                                    "q_lora_rank": None, "qk_rope_head_dim": 32, "qk_nope_head_dim": 32,
+                                    "v_head_dim": 64, "n_group": 1, "topk_group": 1},
+                    "MLA attention, shared experts, first layer dense"),
+}
+
+#: Each shard is at most this big, so every family has several files.
+SHARD_SIZE = "200KB"
+
+
+def build_family(name: str, root: Path, seed: int = 0) -> Path:
+    """A tiny random checkpoint of ``name`` built by transformers' own model class (bf16, sharded)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, overrides, _ = FAMILIES[name]
+    out = root / name
+    if (out / "config.json").exists():
+        return out
+    config = AutoConfig.for_model(model_type, **{**BASE, **overrides})
+    config.dtype = torch.bfloat16
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with torch.no_grad():  # random norms too, so a norm loaded from the wrong place shows
+        for p in model.parameters():
+            p.normal_(0, 0.5)
+    tmp = root / f".{name}.tmp"
+    model.save_pretrained(tmp, max_shard_size=SHARD_SIZE, safe_serialization=True)
+    tmp.rename(out)
+    return out
+
+
+def _engine_config(path: str, tp: int, load_format: str):
+    from vllm.engine.arg_utils import EngineArgs
+
+    # Row slices never read through the gaps between rows (the reader does that when gaps are
+    # small, as they are in tiny models), so bytes read measure the plan itself.
+    extra = {"strided_min_skip": 0, "progress": False} if load_format == "fastload" else {}
+    return EngineArgs(model=path, model_loader_extra_config=extra, tensor_parallel_size=tp, dtype="bfloat16",
+                      load_format=load_format, enforce_eager=True, max_model_len=128, skip_tokenizer_init=True, seed=0,
+                      distributed_executor_backend="mp" if tp > 1 else None).create_engine_config()
+
+
+def _load(path: str, tp: int, load_format: str) -> tuple[dict, dict | None, float]:
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader import get_model_loader
+
+    from vllm_fastload.vllm_plugin.digests import parameter_digests
+
+    config = _engine_config(path, tp, load_format)
+    start = time.perf_counter()
+    with set_current_vllm_config(config):
+        loader = get_model_loader(config.load_config)
+        model = loader.load_model(vllm_config=config, model_config=config.model_config)
+    seconds = time.perf_counter() - start
+    digests = parameter_digests(model)
+    report = dict(getattr(loader, "report", None) or {}) or None
+    del model
+    return digests, report, seconds
+
+
+def rank_main(rank: int, tp: int, port: int, out_dir: str, paths: list[str]) -> None:
+    """One TP rank: set vLLM's distributed state up once, then load every family twice."""
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+    from vllm.plugins import load_general_plugins
+
+    torch.set_num_threads(1)
+    load_general_plugins()  # registers "fastload" through the entry point, as in vLLM's workers
+    results: dict = {}
+    # What vLLM's CPU worker does before loading: torch.accelerator calls become no-ops (the
+    # loader calls empty_cache), the shared-memory group is named after the rendezvous port.
+    from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop
+
+    _set_torch_accelerator_to_noop()
+    os.environ["VLLM_DIST_IDENT"] = str(port)
+    first = _engine_config(paths[0], tp, "auto")
+    first.model_config = None  # so initialize_model_parallel also creates the expert-parallel group
+    with set_current_vllm_config(first):
+        init_distributed_environment(tp, rank, f"tcp://127.0.0.1:{port}", rank, "gloo")
+        ensure_model_parallel_initialized(tp, 1)
+    for path in paths:
+        family = Path(path).name
+        entry: dict = {"seconds": {}}
+        try:
+            for load_format in ("auto", "fastload"):
+                digests, report, seconds = _load(path, tp, load_format)
+                entry[load_format] = digests
+                entry["seconds"][load_format] = round(seconds, 3)
+                if load_format == "fastload":
+                    entry["report"] = report
+        except BaseException as exc:  # recorded per family; the others still run
+            entry["error"] = f"{type(exc).__name__}: {exc}"
+            entry["traceback"] = traceback.format_exc()
+        results[family] = entry
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+
+
+def backend(path: Path) -> str:
+    """Which vLLM implementation serves the checkpoint: its own model class or the Transformers backend."""
+    from vllm.model_executor.models.registry import _VLLM_MODELS
+
+    arch = json.loads((path / "config.json").read_text())["architectures"][0]
+    module, _ = _VLLM_MODELS[arch]
+    return "Transformers backend" if module == "transformers" else f"vLLM `{module}`"
+
+
+def summarize(out_dir: Path, tp: int) -> dict[str, dict]:
+    """family -> {"error"} or {"exact": [per rank], "planned": [...], "reason", "read_share": [...],
+    "over_read": [bytes read / bytes kept - 1, per rank]} from the per-rank result files."""
+    ranks = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(tp)]
+    out: dict[str, dict] = {}
+    for family in ranks[0]:
+        entries = [r.get(family, {"error": "no result on this rank"}) for r in ranks]
+        errors = [e["error"] for e in entries if "error" in e]
+        if errors:
+            out[family] = {"error": errors[0], "traceback": next(e.get("traceback", "") for e in entries)}
+            continue
+        reports = [e["report"] for e in entries]
+        out[family] = {
+            "exact": [e["auto"] == e["fastload"] for e in entries],
+            "different": [[n for n in e["auto"] if e["fastload"].get(n) != e["auto"][n]] for e in entries],
+            "same_names": [e["auto"].keys() == e["fastload"].keys() for e in entries],
+            "planned": [r["planned"] for r in reports],
+            "reason": next((r["fallback_reason"] for r in reports if r["fallback_reason"]), None),
+            "read_share": [r["bytes_read"] / r["bytes_total"] for r in reports],
+            "over_read": [r["bytes_read"] / r["bytes_kept"] - 1 if r["bytes_kept"] else None for r in reports],
+            "seconds": [e["seconds"] for e in entries],
+        }
+    return out
+
+
+def markdown_table(summary: dict[str, dict], paths: dict[str, Path], tp: int) -> str:
+    """The README's zoo table, generated from a run (``python zoo.py --table OUT_DIR TP CKPT...``)."""
+    lines = [f"| family | served by | what it exercises | TP={tp} ranks bit-exact | how fastload loads it | "
+             "share of the checkpoint read per rank | read beyond what the rank keeps |",
+             "|---|---|---|---|---|---|---|"]
+    for family, s in sorted(summary.items()):
+        what = FAMILIES[family][2]
+        if "error" in s:
+            lines.append(f"| {family} | {backend(paths[family])} | {what} | error: {s['error'][:80]} | | | |")
+            continue
+        exact = "yes" if all(s["exact"]) else "NO"
+        how = "per rank" if all(s["planned"]) else f"fallback: {s['reason']}"
+        share = " / ".join(f"{x:.2f}" for x in s["read_share"])
+        over = " / ".join("-" if x is None else f"{100 * x:.1f}%" for x in s["over_read"])
+        lines.append(f"| {family} | {backend(paths[family])} | {what} | {exact} | {how} | {share} | {over} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    import multiprocessing as mp
+    import socket
+
+    if sys.argv[1] == "--table":
+        out_dir, tp, paths = Path(sys.argv[2]), int(sys.argv[3]), [Path(p) for p in sys.argv[4:]]
+        print(markdown_table(summarize(out_dir, tp), {p.name: p for p in paths}, tp))
+        return
+    out_dir, tp, paths = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=rank_main, args=(r, tp, port, out_dir, paths)) for r in range(tp)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + float(os.environ.get("ZOO_TIMEOUT", "900"))
+    for p in procs:
+        p.join(max(deadline - time.monotonic(), 1))
+    for p in procs:  # a rank stuck (e.g. in a collective the other rank never reached) must not hang CI
+        if p.is_alive():
+            p.kill()
+            p.join()
+    sys.exit(max(abs(p.exitcode or 0) for p in procs))
+
+
+if __name__ == "__main__":
+    main()
