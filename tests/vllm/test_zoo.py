@@ -19,6 +19,7 @@ sys.path.insert(0, str(HERE))
 import zoo  # noqa: E402
 
 TP = 2
+ALL = [*zoo.FAMILIES, *zoo.QUANTIZED]
 README = HERE.parent.parent / "README.md"
 
 #: Families fastload does not plan per rank yet -> a fragment of the reason it logs. Kept exact
@@ -36,7 +37,7 @@ KNOWN_OVER_READS: dict[str, str] = {
 @pytest.fixture(scope="session")
 def zoo_checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("zoo-checkpoints")
-    return {name: zoo.build_family(name, root) for name in zoo.FAMILIES}
+    return {name: zoo.build(name, root) for name in ALL}
 
 
 @pytest.fixture(scope="session")
@@ -55,13 +56,14 @@ def zoo_run(zoo_checkpoints, tmp_path_factory) -> dict[str, dict]:
     return summary
 
 
-def test_zoo_covers_twenty_families(zoo_run):
+def test_zoo_covers_twenty_families_and_two_quantized_schemes(zoo_run):
     failed = {name: s["error"] for name, s in zoo_run.items() if "error" in s}
     assert not failed, failed
-    assert len(zoo_run) >= 20
+    assert len(zoo.FAMILIES) >= 20
+    assert len({scheme for _, scheme in zoo.QUANTIZED.values()}) >= 2
 
 
-@pytest.mark.parametrize("family", list(zoo.FAMILIES))
+@pytest.mark.parametrize("family", ALL)
 def test_family_is_bit_exact_on_every_rank(family, zoo_run):
     s = zoo_run[family]
     assert "error" not in s, f"{s.get('error')}\n{s.get('traceback')}"
@@ -69,7 +71,7 @@ def test_family_is_bit_exact_on_every_rank(family, zoo_run):
     assert s["exact"] == [True] * TP, f"parameters that differ, per rank: {s['different']}"
 
 
-@pytest.mark.parametrize("family", list(zoo.FAMILIES))
+@pytest.mark.parametrize("family", ALL)
 def test_family_reads_only_its_share(family, zoo_run):
     s = zoo_run[family]
     assert "error" not in s, s.get("error")

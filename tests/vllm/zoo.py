@@ -96,6 +96,61 @@ def build_family(name: str, root: Path, seed: int = 0) -> Path:
     return out
 
 
+#: quantized family -> (base family, scheme): compressed-tensors checkpoints written here from the
+#: base family's bf16 weights, in the format the compressed-tensors library documents.
+QUANTIZED: dict[str, tuple[str, str]] = {
+    "llama-w8a8-int8": ("llama", "int8"),
+    "qwen2-w8a8-fp8": ("qwen2", "fp8"),
+}
+_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def build_quantized(name: str, root: Path) -> Path:
+    """A compressed-tensors W8A8 checkpoint (int8 or fp8 weights, one scale per output channel,
+    dynamic per-token activations) of a zoo family, several shards."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    base_name, scheme = QUANTIZED[name]
+    base = build_family(base_name, root)
+    out = root / name
+    if (out / "config.json").exists():
+        return out
+    tmp = root / f".{name}.tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    config = json.loads((base / "config.json").read_text())
+    kind = {"int8": ("int", "int-quantized"), "fp8": ("float", "float-quantized")}[scheme]
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": kind[1], "ignore": ["lm_head"],
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": kind[0], "symmetric": True, "strategy": "channel", "dynamic": False},
+            "input_activations": {"num_bits": 8, "type": kind[0], "symmetric": True, "strategy": "token",
+                                  "dynamic": True}}}}
+    (tmp / "config.json").write_text(json.dumps(config, indent=1))
+    index = {"metadata": {}, "weight_map": {}}
+    for shard in sorted(base.glob("*.safetensors")):
+        tensors = {}
+        for key, t in load_file(shard).items():
+            if key.endswith(".weight") and key.split(".")[-2] in _LINEARS:
+                w = t.float()
+                if scheme == "int8":
+                    scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-6) / 127
+                    q = (w / scale).round().clamp(-128, 127).to(torch.int8)
+                else:
+                    scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-6) / 448
+                    q = (w / scale).to(torch.float8_e4m3fn)
+                tensors[key] = q
+                tensors[key.removesuffix("weight") + "weight_scale"] = scale.to(torch.bfloat16)
+            else:
+                tensors[key] = t
+        save_file(tensors, tmp / shard.name, metadata={"format": "pt"})
+        index["weight_map"].update(dict.fromkeys(tensors, shard.name))
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(index))
+    tmp.rename(out)
+    return out
+
+
 def _engine_config(path: str, tp: int, load_format: str):
     from vllm.engine.arg_utils import EngineArgs
 
@@ -114,12 +169,22 @@ def _load(path: str, tp: int, load_format: str) -> tuple[dict, dict | None, floa
     from vllm_fastload.vllm_plugin.digests import parameter_digests
 
     config = _engine_config(path, tp, load_format)
+    loaded: dict[str, str] = {}
     start = time.perf_counter()
     with set_current_vllm_config(config):
         loader = get_model_loader(config.load_config)
+        load_weights = loader.load_weights
+
+        def load_weights_and_digest(model, model_config) -> None:
+            # Right after the loader, before vLLM's post-processing (which e.g. repacks int8
+            # weights into kernel handles that are no longer parameters).
+            load_weights(model, model_config)
+            loaded.update({f"loaded:{k}": v for k, v in parameter_digests(model).items()})
+
+        loader.load_weights = load_weights_and_digest
         model = loader.load_model(vllm_config=config, model_config=config.model_config)
     seconds = time.perf_counter() - start
-    digests = parameter_digests(model)
+    digests = {**loaded, **parameter_digests(model)}
     report = dict(getattr(loader, "report", None) or {}) or None
     del model
     return digests, report, seconds
@@ -197,13 +262,25 @@ def summarize(out_dir: Path, tp: int) -> dict[str, dict]:
     return out
 
 
+def describe(family: str) -> str:
+    if family in QUANTIZED:
+        base, scheme = QUANTIZED[family]
+        return f"compressed-tensors W8A8 {scheme} (per-channel weight scales) of {base}"
+    return FAMILIES[family][2]
+
+
+def build(name: str, root: Path) -> Path:
+    """A zoo checkpoint, plain or quantized, built once below ``root``."""
+    return build_quantized(name, root) if name in QUANTIZED else build_family(name, root)
+
+
 def markdown_table(summary: dict[str, dict], paths: dict[str, Path], tp: int) -> str:
     """The README's zoo table, generated from a run (``python zoo.py --table OUT_DIR TP CKPT...``)."""
     lines = [f"| family | served by | what it exercises | TP={tp} ranks bit-exact | how fastload loads it | "
              "share of the checkpoint read per rank | read beyond what the rank keeps |",
              "|---|---|---|---|---|---|---|"]
     for family, s in sorted(summary.items()):
-        what = FAMILIES[family][2]
+        what = describe(family)
         if "error" in s:
             lines.append(f"| {family} | {backend(paths[family])} | {what} | error: {s['error'][:80]} | | | |")
             continue
