@@ -101,7 +101,10 @@ def build_family(name: str, root: Path, seed: int = 0) -> Path:
 QUANTIZED: dict[str, tuple[str, str]] = {
     "llama-w8a8-int8": ("llama", "int8"),
     "qwen2-w8a8-fp8": ("qwen2", "fp8"),
+    "mistral-w4a16-int4": ("mistral", "int4"),
 }
+#: Group size of the int4 scheme (scales per 32 input channels).
+GROUP = 32
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -119,14 +122,19 @@ def build_quantized(name: str, root: Path) -> Path:
     tmp = root / f".{name}.tmp"
     tmp.mkdir(parents=True, exist_ok=True)
     config = json.loads((base / "config.json").read_text())
-    kind = {"int8": ("int", "int-quantized"), "fp8": ("float", "float-quantized")}[scheme]
-    config["quantization_config"] = {
-        "quant_method": "compressed-tensors", "format": kind[1], "ignore": ["lm_head"],
-        "config_groups": {"group_0": {
-            "targets": ["Linear"],
-            "weights": {"num_bits": 8, "type": kind[0], "symmetric": True, "strategy": "channel", "dynamic": False},
-            "input_activations": {"num_bits": 8, "type": kind[0], "symmetric": True, "strategy": "token",
-                                  "dynamic": True}}}}
+    if scheme == "int4":  # weights only, packed eight to an int32, one scale per GROUP inputs
+        group = {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": True,
+                                                    "strategy": "group", "group_size": GROUP, "dynamic": False}}
+        fmt = "pack-quantized"
+    else:
+        kind = {"int8": "int", "fp8": "float"}[scheme]
+        group = {"targets": ["Linear"],
+                 "weights": {"num_bits": 8, "type": kind, "symmetric": True, "strategy": "channel", "dynamic": False},
+                 "input_activations": {"num_bits": 8, "type": kind, "symmetric": True, "strategy": "token",
+                                       "dynamic": True}}
+        fmt = f"{kind}-quantized"
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": fmt, "ignore": ["lm_head"],
+                                     "config_groups": {"group_0": group}}
     (tmp / "config.json").write_text(json.dumps(config, indent=1))
     index = {"metadata": {}, "weight_map": {}}
     for shard in sorted(base.glob("*.safetensors")):
@@ -134,6 +142,9 @@ def build_quantized(name: str, root: Path) -> Path:
         for key, t in load_file(shard).items():
             if key.endswith(".weight") and key.split(".")[-2] in _LINEARS:
                 w = t.float()
+                if scheme == "int4":
+                    tensors.update(_pack_int4(key.removesuffix(".weight"), w))
+                    continue
                 if scheme == "int8":
                     scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-6) / 127
                     q = (w / scale).round().clamp(-128, 127).to(torch.int8)
@@ -149,6 +160,22 @@ def build_quantized(name: str, root: Path) -> Path:
     (tmp / "model.safetensors.index.json").write_text(json.dumps(index))
     tmp.rename(out)
     return out
+
+
+def _pack_int4(prefix: str, w) -> dict:
+    """compressed-tensors pack-quantized: signed int4 values + 8, eight per int32 along the input
+    dim (lowest nibble first), ``weight_scale`` (out, in / GROUP), ``weight_shape`` [out, in]."""
+    import torch
+
+    out_f, in_f = w.shape
+    groups = w.reshape(out_f, in_f // GROUP, GROUP)
+    scale = (groups.abs().amax(dim=2, keepdim=True).clamp(min=1e-6) / 7).to(torch.bfloat16)
+    q = (groups / scale.float()).round().clamp(-8, 7).to(torch.int64).reshape(out_f, in_f) + 8
+    nibbles = q.reshape(out_f, in_f // 8, 8) << (4 * torch.arange(8))
+    packed = nibbles.sum(dim=2)
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+    return {f"{prefix}.weight_packed": packed, f"{prefix}.weight_scale": scale.squeeze(2).contiguous(),
+            f"{prefix}.weight_shape": torch.tensor([out_f, in_f], dtype=torch.int64)}
 
 
 def _engine_config(path: str, tp: int, load_format: str):
@@ -265,6 +292,8 @@ def summarize(out_dir: Path, tp: int) -> dict[str, dict]:
 def describe(family: str) -> str:
     if family in QUANTIZED:
         base, scheme = QUANTIZED[family]
+        if scheme == "int4":
+            return f"compressed-tensors W4A16 int4 packed in int32, group size {GROUP} scales, of {base}"
         return f"compressed-tensors W8A8 {scheme} (per-channel weight scales) of {base}"
     return FAMILIES[family][2]
 

@@ -143,7 +143,8 @@ class _Recorder(TorchFunctionMode):
         self.placeholders = placeholders  # meta storage id -> checkpoint name
         self.memory = memory
         self.result = result
-        self.written: dict[str, list[tuple[int, int]]] = {}
+        #: parameter -> [(span, destination geometry, the copy that wrote it or None for a fill)]
+        self.written: dict[str, list[tuple[tuple[int, int], tuple, Placement | None]]] = {}
 
     def _source(self, t: torch.Tensor) -> str | None:
         return self.placeholders.get(t.untyped_storage()._cdata)
@@ -159,10 +160,11 @@ class _Recorder(TorchFunctionMode):
         if owner is None:
             self.result.unsupported.append(f"{name} is copied into a tensor that is not a model parameter")
             return
-        if not self._claim(owner, dest, f"{owner} is written twice in overlapping regions (last: {name})"):
+        placement = Placement(name, dest, owner, tuple(src.shape), tuple(src.stride()), src.storage_offset())
+        if not self._claim(owner, dest, f"{owner} is written twice in overlapping regions (last: {name})",
+                           placement):
             return
-        self.result.placements.setdefault(name, []).append(Placement(
-            name, dest, owner, tuple(src.shape), tuple(src.stride()), src.storage_offset()))
+        self.result.placements.setdefault(name, []).append(placement)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -190,15 +192,27 @@ class _Recorder(TorchFunctionMode):
         owner = self.memory.owner(dest)
         self._claim(owner, dest, f"{owner} is filled after checkpoint data was copied into it")
 
-    def _claim(self, owner: str, dest: torch.Tensor, overlap_reason: str) -> bool:
-        """Record that ``dest`` (in parameter ``owner``) is written; an overlap makes the probe give up,
-        because our reads do not keep the loader's write order."""
+    def _claim(self, owner: str, dest: torch.Tensor, overlap_reason: str,
+               placement: Placement | None = None) -> bool:
+        """Record that ``dest`` (in parameter ``owner``) is written. Our reads do not keep the
+        loader's write order, so an overlap makes the probe give up, with one exception that is
+        still exact: a copy into exactly the region (same address, shape and strides) an earlier
+        copy wrote replaces it, as the last write wins in the loader too (quantized layers write
+        a fused parameter's ``weight_shape`` once per shard)."""
         span = _span(dest)
-        for lo, hi in self.written.get(owner, []):
-            if span[0] < hi and lo < span[1]:
+        geometry = (tuple(dest.shape), tuple(dest.stride()))
+        entries = self.written.setdefault(owner, [])
+        for k, (other, other_geometry, earlier) in enumerate(entries):
+            if span[0] < other[1] and other[0] < span[1]:
+                if placement is not None and earlier is not None and other == span and other_geometry == geometry:
+                    self.result.placements[earlier.source].remove(earlier)
+                    if not self.result.placements[earlier.source]:
+                        del self.result.placements[earlier.source]
+                    entries[k] = (span, geometry, placement)
+                    return True
                 self.result.unsupported.append(overlap_reason)
                 return False
-        self.written.setdefault(owner, []).append(span)
+        entries.append((span, geometry, placement))
         self.result.covered[owner] = self.result.covered.get(owner, 0) + dest.numel()
         return True
 
