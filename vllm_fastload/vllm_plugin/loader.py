@@ -26,8 +26,10 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 import vllm_fastload
 from vllm_fastload.config import FastloadConfig
 from vllm_fastload.errors import CheckpointError, ConfigError
+from vllm_fastload.plan import TensorRequest
 from vllm_fastload.sources import is_remote
 from vllm_fastload.tensors import CASTABLE, dtype_of, shape_of
+from vllm_fastload.vllm_plugin.geometry import Geometry, plan_slabs
 from vllm_fastload.vllm_plugin.probe import Placement, ProbeResult, probe_model
 
 # Under "vllm." so vLLM's own handlers and format apply.
@@ -95,7 +97,8 @@ class FastloadModelLoader(BaseModelLoader):
     # -- the two ways of loading ------------------------------------------------------------
     def _load_direct(self, ckpt: vllm_fastload.FastCheckpoint, probe: ProbeResult) -> tuple[set[str] | None, str]:
         targets: dict = {}
-        replays: dict[str, list[Placement]] = {}
+        replays: dict[str, list[tuple[Placement, Geometry]]] = {}
+        slabs: list[TensorRequest] = []
         sliced = whole = replayed = 0
         for name, placements in probe.placements.items():
             info = ckpt.info(name)
@@ -109,8 +112,15 @@ class FastloadModelLoader(BaseModelLoader):
                     break
                 requests.append((req, p.dest))
             if requests is None:
-                replays[name] = placements
+                # Transposed, reshaped or interleaved writes: read the smallest slab(s) of the
+                # tensor that hold what they take, then replay the recorded copies from it.
                 replayed += 1
+                shape = shape_of(info)
+                for j, slab in enumerate(plan_slabs(shape, [p.view for p in placements])):
+                    key = f"{name}#slab{j}"
+                    slabs.append(TensorRequest(name, key=key) if slab.dim is None else
+                                 TensorRequest(name, dim=slab.dim, start=slab.start, length=slab.length, key=key))
+                    replays[key] = [(placements[i], view) for i, view in slab.members]
                 continue
             for req, dest in requests:
                 targets[req] = dest
@@ -125,13 +135,13 @@ class FastloadModelLoader(BaseModelLoader):
         # parameter pages it is about to overwrite, see readers.memory: that changes no policy.)
 
         def replay(key: str, tensor: torch.Tensor) -> None:
-            for p in replays[key]:
-                p.replay(tensor)
+            for p, view in replays[key]:
+                p.replay(tensor, view)
 
-        ckpt.read_into(targets, extra=list(replays), on_tensor=replay)
+        ckpt.read_into(targets, extra=slabs, on_tensor=replay)
         skipped = len(ckpt.keys()) - len(probe.placements)
-        summary = (f"{whole} whole and {sliced} sliced reads into parameters, {replayed} tensors read whole "
-                   f"and copied by vLLM's recorded slicing, {skipped} checkpoint tensors not needed on this rank")
+        summary = (f"{whole} whole and {sliced} sliced reads into parameters, {replayed} tensors read in "
+                   f"slabs and copied by vLLM's recorded slicing, {skipped} checkpoint tensors not needed on this rank")
         return probe.loaded_params, summary
 
     def _load_through_model(self, model: nn.Module, ckpt: vllm_fastload.FastCheckpoint) -> tuple[set[str] | None, str]:
