@@ -3,6 +3,9 @@ loader copies into a parameter must be reproduced exactly, as a sliced read or a
 
 from __future__ import annotations
 
+import functools
+
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -10,6 +13,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 import vllm_fastload
+from vllm_fastload.vllm_plugin.geometry import plan_slabs
 from vllm_fastload.vllm_plugin.probe import probe_model
 
 
@@ -44,6 +48,9 @@ views = st.sampled_from([
     lambda t: t.t(),                # transpose: not a single narrow -> replay
     lambda t: t[:, ::2],            # step: replay
     lambda t: t.narrow(0, 0, 2).narrow(1, 1, 2),  # two narrows: replay
+    lambda t: t.t().contiguous().narrow(0, 1, 2),  # a copy of a transpose: a derived view
+    lambda t: torch.cat([t[:1], t[2:3]]),           # concatenated rows of one tensor
+    lambda t: t.reshape(-1)[1:-1].reshape(1, -1),   # flattened: a run across rows
 ])
 
 
@@ -62,12 +69,17 @@ def test_recorded_writes_reproduce_the_loader(tmp_path_factory, view, rows, cols
 
     with vllm_fastload.open(path, config={"progress": False}) as ckpt:
         for name, placements in result.placements.items():
+            shape = tuple(tensors[name].shape)
             for i, p in enumerate(placements):
-                req = p.request(tuple(tensors[name].shape), key=f"{name}#{i}")
-                if req is None:
-                    p.replay(ckpt.get_tensor(name))
-                else:
+                req = p.request(shape, key=f"{name}#{i}")
+                if req is not None:
                     ckpt.read_into({req: p.dest})
+                    continue
+                for slab in plan_slabs(shape, [p.view]):  # as the loader does: read a slab, replay
+                    whole = ckpt.get_tensor(name)
+                    region = whole if slab.dim is None else whole.narrow(slab.dim, slab.start, slab.length)
+                    for _, geometry in slab.members:
+                        p.replay(region.contiguous(), geometry)
     assert torch.equal(model.weight, view(tensors["w"]))
     assert torch.equal(model.norm, torch.cat([tensors["norm"][:2], torch.zeros(2)]))
 
@@ -101,3 +113,130 @@ def test_partly_written_parameter_is_reported():
 
     result = probe_model(Stacked(), {"gate": ((4, 2), torch.float32)})  # "up" is missing
     assert result.partly_written() == {"gate_up": ["gate"]}
+
+
+# -- writes that are not one narrow: transposes, reshapes of transposes, concatenations -----------
+
+def _bloom_like(t, rank, world=2, heads=4):
+    """Per-head interleaved fused qkv, de-interleaved by a reshape of a transpose (a copy), then this
+    rank's q, k and v rows, as vLLM's QKV loader takes them."""
+    rows, cols = t.shape
+    d = rows // (3 * heads)
+    qkv = t.view(heads, 3, d, cols).transpose(0, 1).reshape(rows, cols)
+    per = heads // world * d
+    return [qkv.narrow(0, part * heads * d + rank * per, per) for part in range(3)]
+
+
+def _falcon_like(t, rank, world=2, groups=2, q_per_group=2):
+    """Grouped interleave (q heads of a group, then its k and v), split with narrows and joined by cat."""
+    rows, cols = t.shape
+    d = rows // (groups * (q_per_group + 2))
+    g = t.view(groups, q_per_group + 2, d, cols)
+    wq = g.narrow(1, 0, q_per_group).reshape(-1, cols)
+    wk = g.narrow(1, q_per_group, 1).reshape(-1, cols)
+    wv = g.narrow(1, q_per_group + 1, 1).reshape(-1, cols)
+    qkv = torch.cat([wq, wk, wv], dim=0)
+    q_rows, kv_rows = groups * q_per_group * d, groups * d
+    return [qkv.narrow(0, rank * q_rows // world, q_rows // world),
+            qkv.narrow(0, q_rows + rank * kv_rows // world, kv_rows // world),
+            qkv.narrow(0, q_rows + kv_rows + rank * kv_rows // world, kv_rows // world)]
+
+
+def _conv1d_like(t, rank, world=2):
+    """A GPT-2 Conv1D weight (in, out) transposed, then this rank's rows of q, k and v."""
+    w = t.t()
+    out = w.shape[0] // 3
+    return [w.narrow(0, part * out + rank * out // world, out // world) for part in range(3)]
+
+
+class Parts(nn.Module):
+    """A parameter filled by several writes that the loader derives from one checkpoint tensor."""
+
+    def __init__(self, shape, parts) -> None:
+        super().__init__()
+        self.parts = parts
+        outs = parts(torch.empty(shape))
+        self.weight = nn.Parameter(torch.zeros(sum(o.shape[0] for o in outs), outs[0].shape[1]),
+                                   requires_grad=False)
+
+    def load_weights(self, weights):
+        for _, w in weights:
+            offset = 0
+            for part in self.parts(w):
+                self.weight.data.narrow(0, offset, part.shape[0]).copy_(part)
+                offset += part.shape[0]
+        return {"weight"}
+
+
+LAYOUTS = {"bloom": (_bloom_like, (24, 6)), "falcon": (_falcon_like, (32, 6)), "conv1d": (_conv1d_like, (6, 24))}
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_derived_writes_read_only_their_slab(tmp_path, layout, rank):
+    fn, shape = LAYOUTS[layout]
+    parts = functools.partial(fn, rank=rank)
+    tensor = torch.randn(shape, generator=torch.Generator().manual_seed(rank))
+    save_file({"w": tensor}, tmp_path / "m.safetensors")
+    model = Parts(shape, parts)
+    result = probe_model(model, {"w": (shape, tensor.dtype)})
+    assert not result.unsupported
+    assert result.partly_written() == {}
+    placements = result.placements["w"]
+    slabs = plan_slabs(shape, [p.view for p in placements])
+    read = 0
+    with vllm_fastload.open(tmp_path / "m.safetensors", config={"progress": False}) as ckpt:
+        for slab in slabs:
+            region = ckpt.get_tensor("w") if slab.dim is None else tensor.narrow(slab.dim, slab.start, slab.length)
+            region = region.contiguous()
+            read += region.numel()
+            for i, view in slab.members:
+                placements[i].replay(region, view)
+    assert torch.equal(model.weight, torch.cat(parts(tensor)))
+    assert read == model.weight.numel(), f"read {read} elements for {model.weight.numel()}"
+
+
+def test_a_reshape_that_is_no_strided_view_is_refused():
+    class Shuffled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.zeros(3, 8), requires_grad=False)
+
+        def load_weights(self, weights):
+            for _, w in weights:  # rows 0, 3, 1 of a (6, 8) tensor: no single strided view
+                self.weight.data.copy_(w.view(2, 3, 8).transpose(0, 1).reshape(6, 8)[:3])
+            return {"weight"}
+
+    result = probe_model(Shuffled(), {"w": ((6, 8), torch.float32)})
+    assert result.unsupported and "cannot describe as a strided view" in result.unsupported[0]
+
+
+def test_arithmetic_after_a_reshape_is_still_refused():
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.zeros(8, 6), requires_grad=False)
+
+        def load_weights(self, weights):
+            for _, w in weights:
+                self.weight.data.copy_(w.t().contiguous() * 2)
+            return {"weight"}
+
+    result = probe_model(Scaled(), {"w": ((6, 8), torch.float32)})
+    assert result.unsupported and "computed from checkpoint data" in result.unsupported[0]
+
+
+def test_a_copy_into_the_same_region_replaces_the_earlier_one():
+    class Shape(nn.Module):  # like a quantized fused layer's weight_shape, written once per shard
+        def __init__(self) -> None:
+            super().__init__()
+            self.shape = nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False)
+
+        def load_weights(self, weights):
+            for _, w in weights:
+                self.shape.data.copy_(w)
+            return {"shape"}
+
+    result = probe_model(Shape(), {"a": ((2,), torch.int64), "b": ((2,), torch.int64)})
+    assert not result.unsupported
+    assert list(result.placements) == ["b"]  # the last write wins, as in the loader

@@ -26,8 +26,10 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 import vllm_fastload
 from vllm_fastload.config import FastloadConfig
 from vllm_fastload.errors import CheckpointError, ConfigError
+from vllm_fastload.plan import TensorRequest
 from vllm_fastload.sources import is_remote
 from vllm_fastload.tensors import CASTABLE, dtype_of, shape_of
+from vllm_fastload.vllm_plugin.geometry import Geometry, plan_slabs
 from vllm_fastload.vllm_plugin.probe import Placement, ProbeResult, probe_model
 
 # Under "vllm." so vLLM's own handlers and format apply.
@@ -49,6 +51,9 @@ class FastloadModelLoader(BaseModelLoader):
         extra = load_config.model_loader_extra_config or {}
         _refuse_secrets(extra)
         self.config = FastloadConfig.from_env(**extra)
+        #: What the last ``load_weights`` did on this rank (also logged): for tests and tools that
+        #: load in-process, e.g. tests/vllm/zoo.py.
+        self.report: dict = {}
 
     # -- BaseModelLoader --------------------------------------------------------------------
     def download_model(self, model_config: ModelConfig) -> None:
@@ -65,6 +70,7 @@ class FastloadModelLoader(BaseModelLoader):
             tensors = {name: (shape_of(info), dtype_of(info)) for name, info in infos.items()}
             probe = probe_model(model, tensors)
             probe_s = time.perf_counter() - start
+            kept = None if probe.unsupported else _bytes_kept(probe, infos)
             if probe.unsupported:
                 logger.warning("fastload: reading every tensor in full through load_weights on rank %d: %s",
                                rank, probe.unsupported[0])
@@ -82,12 +88,17 @@ class FastloadModelLoader(BaseModelLoader):
                     "(%.2f GB/s; planning %.2f s); %s", rank, world, nbytes / 1e6, ckpt.checkpoint.total_bytes / 1e6,
                     nbytes / max(ckpt.checkpoint.total_bytes, 1), backend,
                     elapsed, nbytes / max(elapsed, 1e-9) / 1e9, probe_s, summary)
+        self.report = {"rank": rank, "world": world, "planned": not probe.unsupported,
+                       "fallback_reason": probe.unsupported[0] if probe.unsupported else None,
+                       "bytes_read": nbytes, "bytes_kept": kept, "bytes_total": ckpt.checkpoint.total_bytes,
+                       "summary": summary}
         self._check_complete(model, model_config, loaded, path)
 
     # -- the two ways of loading ------------------------------------------------------------
     def _load_direct(self, ckpt: vllm_fastload.FastCheckpoint, probe: ProbeResult) -> tuple[set[str] | None, str]:
         targets: dict = {}
-        replays: dict[str, list[Placement]] = {}
+        replays: dict[str, list[tuple[Placement, Geometry]]] = {}
+        slabs: list[TensorRequest] = []
         sliced = whole = replayed = 0
         for name, placements in probe.placements.items():
             info = ckpt.info(name)
@@ -101,8 +112,15 @@ class FastloadModelLoader(BaseModelLoader):
                     break
                 requests.append((req, p.dest))
             if requests is None:
-                replays[name] = placements
+                # Transposed, reshaped or interleaved writes: read the smallest slab(s) of the
+                # tensor that hold what they take, then replay the recorded copies from it.
                 replayed += 1
+                shape = shape_of(info)
+                for j, slab in enumerate(plan_slabs(shape, [p.view for p in placements])):
+                    key = f"{name}#slab{j}"
+                    slabs.append(TensorRequest(name, key=key) if slab.dim is None else
+                                 TensorRequest(name, dim=slab.dim, start=slab.start, length=slab.length, key=key))
+                    replays[key] = [(placements[i], view) for i, view in slab.members]
                 continue
             for req, dest in requests:
                 targets[req] = dest
@@ -117,13 +135,13 @@ class FastloadModelLoader(BaseModelLoader):
         # parameter pages it is about to overwrite, see readers.memory: that changes no policy.)
 
         def replay(key: str, tensor: torch.Tensor) -> None:
-            for p in replays[key]:
-                p.replay(tensor)
+            for p, view in replays[key]:
+                p.replay(tensor, view)
 
-        ckpt.read_into(targets, extra=list(replays), on_tensor=replay)
+        ckpt.read_into(targets, extra=slabs, on_tensor=replay)
         skipped = len(ckpt.keys()) - len(probe.placements)
-        summary = (f"{whole} whole and {sliced} sliced reads into parameters, {replayed} tensors read whole "
-                   f"and copied by vLLM's recorded slicing, {skipped} checkpoint tensors not needed on this rank")
+        summary = (f"{whole} whole and {sliced} sliced reads into parameters, {replayed} tensors read in "
+                   f"slabs and copied by vLLM's recorded slicing, {skipped} checkpoint tensors not needed on this rank")
         return probe.loaded_params, summary
 
     def _load_through_model(self, model: nn.Module, ckpt: vllm_fastload.FastCheckpoint) -> tuple[set[str] | None, str]:
@@ -215,6 +233,17 @@ def _check_fully_used(probe: ProbeResult, infos: dict) -> None:
                 f"checkpoint tensor has shape {list(info.shape)} but the model takes only {used} of its "
                 f"{info.numel} elements (into {placements[0].parameter} {shapes}): the checkpoint does not "
                 "match the model", file=info.file, tensor=name)
+
+
+def _bytes_kept(probe: ProbeResult, infos: dict) -> int:
+    """Checkpoint bytes this rank's parameters take (sources of the recorded writes; a region read
+    by several writes counts once per tensor up to the tensor's size): the floor for bytes read."""
+    total = 0
+    for name, placements in probe.placements.items():
+        info = infos[name]
+        used = min(sum(math.prod(p.src_shape) for p in placements), info.numel)
+        total += used * info.nbytes // max(info.numel, 1)
+    return total
 
 
 def _model_device(model: nn.Module) -> torch.device:

@@ -25,6 +25,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from vllm_fastload.plan import TensorRequest
+from vllm_fastload.vllm_plugin.geometry import Geometry, affine
 
 
 @dataclass
@@ -37,12 +38,16 @@ class Placement:
     src_shape: tuple[int, ...]
     src_stride: tuple[int, ...]
     src_offset: int                 # in elements, from the start of the checkpoint tensor
+    #: The source was derived from the checkpoint tensor by copying shape ops (reshape of a
+    #: transpose, cat of narrows...): the strided view above lists its elements in the
+    #: destination's row-major order, and is reshaped to the destination's shape.
+    reshape: bool = False
 
     def request(self, tensor_shape: tuple[int, ...], key: str) -> TensorRequest | None:
         """The byte-range request this write needs, when it is the whole tensor or one narrow."""
         shape, stride, offset = self.src_shape, self.src_stride, self.src_offset
         full = _contiguous_strides(tensor_shape)
-        if tuple(self.dest.shape) != shape:
+        if tuple(self.dest.shape) != shape or self.reshape:
             return None  # broadcasting copy: leave it to the replay path
         if shape == tensor_shape and offset == 0 and _same_strides(shape, stride, full):
             return TensorRequest(self.source, key=key)
@@ -59,9 +64,17 @@ class Placement:
             return None
         return TensorRequest(self.source, dim=d, start=start, length=shape[d], key=key)
 
-    def replay(self, tensor: torch.Tensor) -> None:
-        """Perform this write from the real checkpoint tensor (contiguous, as read)."""
-        src = tensor.as_strided(self.src_shape, self.src_stride, tensor.storage_offset() + self.src_offset)
+    @property
+    def view(self) -> Geometry:
+        return self.src_shape, self.src_stride, self.src_offset
+
+    def replay(self, tensor: torch.Tensor, view: Geometry | None = None) -> None:
+        """Perform this write from the real checkpoint tensor (contiguous, as read), or from a slab
+        of it with ``view`` re-expressed over the slab (``geometry.plan_slabs``)."""
+        shape, stride, offset = view or self.view
+        src = tensor.as_strided(shape, stride, tensor.storage_offset() + offset)
+        if self.reshape:
+            src = src.reshape(self.dest.shape)
         self.dest.copy_(src)
 
 
@@ -97,10 +110,14 @@ class _MemoryIndex:
     """Which named parameter or buffer a real tensor's memory belongs to."""
 
     def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._index()
+
+    def _index(self) -> None:
         spans = []
         seen = set()
         self.numel: dict[str, int] = {}
-        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        for name, t in [*self.model.named_parameters(), *self.model.named_buffers()]:
             if t.is_meta or t.numel() == 0 or t.data_ptr() in seen:
                 continue
             seen.add(t.data_ptr())
@@ -110,10 +127,18 @@ class _MemoryIndex:
         self._starts = [s[0] for s in spans]
         self._spans = spans
 
-    def owner(self, t: torch.Tensor) -> str | None:
+    def owner(self, t: torch.Tensor, refresh: bool = False) -> str | None:
+        """``refresh``: look again at the model when not found, for parameters registered inside
+        ``load_weights`` (the Transformers backend adds an lm_head bias only when it sees one)."""
         if t.is_meta or t.numel() == 0:
             return None
-        ptr = t.data_ptr()
+        found = self._lookup(t.data_ptr())
+        if found is None and refresh:
+            self._index()
+            found = self._lookup(t.data_ptr())
+        return found
+
+    def _lookup(self, ptr: int) -> str | None:
         i = bisect.bisect_right(self._starts, ptr) - 1
         if i >= 0 and ptr < self._spans[i][1]:
             return self._spans[i][2]
@@ -125,20 +150,139 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return t.data_ptr(), t.data_ptr() + extent * t.element_size()
 
 
+#: Torch functions whose every output element is a copy of one input element chosen by shapes and
+#: arguments only, never by values: their results are still "bytes from one tensor".
+_MOVES = frozenset({
+    "view", "reshape", "transpose", "permute", "t", "contiguous", "clone", "flatten", "unflatten", "narrow",
+    "select", "__getitem__", "squeeze", "unsqueeze", "movedim", "moveaxis", "swapaxes", "swapdims", "expand",
+    "expand_as", "view_as", "reshape_as", "chunk", "split", "unbind", "tensor_split", "cat", "concat",
+    "concatenate", "stack", "T", "mT",
+})
+
+
+@dataclass
+class _Derived:
+    """A meta tensor with its own storage made by a ``_MOVES`` op from data of one checkpoint tensor."""
+
+    source: str
+    out: torch.Tensor   # kept alive so its storage id is never reused
+    func: object
+    args: tuple
+    kwargs: dict
+    signature: tuple
+
+
+def _tensors_in(obj) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from _tensors_in(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from _tensors_in(x)
+
+
+def _leaves(obj, signature) -> tuple | str:
+    """A hashable description of an op's arguments (slices are not hashable before Python 3.12)."""
+    if isinstance(obj, torch.Tensor):
+        return ("tensor", signature(obj))
+    if isinstance(obj, (list, tuple)):
+        return tuple(_leaves(x, signature) for x in obj)
+    if isinstance(obj, dict):
+        return tuple((k, _leaves(v, signature)) for k, v in sorted(obj.items()))
+    return repr(obj)
+
+
+def _replace(obj, fn):
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_replace(x, fn) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _replace(v, fn) for k, v in obj.items()}
+    return obj
+
+
 class _Recorder(TorchFunctionMode):
     def __init__(self, placeholders: Mapping[int, str], memory: _MemoryIndex, result: ProbeResult) -> None:
         super().__init__()
         self.placeholders = placeholders  # meta storage id -> checkpoint name
+        self.shapes: dict[int, tuple[int, ...]] = {}  # placeholder storage id -> tensor shape
+        self.derived: dict[int, _Derived] = {}
+        #: (signature, view, destination shape) -> the write's view of its checkpoint tensor: every
+        #: layer repeats the same derivation, so the index arithmetic runs once per distinct one.
+        self.views: dict[tuple, Geometry | None] = {}
         self.memory = memory
         self.result = result
-        self.written: dict[str, list[tuple[int, int]]] = {}
+        #: parameter -> [(span, destination geometry, the copy that wrote it or None for a fill)]
+        self.written: dict[str, list[tuple[tuple[int, int], tuple, Placement | None]]] = {}
 
     def _source(self, t: torch.Tensor) -> str | None:
-        return self.placeholders.get(t.untyped_storage()._cdata)
+        key = t.untyped_storage()._cdata
+        name = self.placeholders.get(key)
+        if name is None and key in self.derived:
+            name = self.derived[key].source
+        return name
+
+    def _signature(self, t: torch.Tensor) -> tuple | None:
+        key = t.untyped_storage()._cdata
+        if key in self.placeholders:
+            base = ("checkpoint", self.shapes[key])
+        elif key in self.derived:
+            base = self.derived[key].signature
+        else:
+            return None
+        return base, tuple(t.shape), tuple(t.stride()), t.storage_offset()
+
+    def _derive(self, func, args: tuple, kwargs: dict, out) -> None:
+        """Remember how ``out`` (a new meta storage) was made from one checkpoint tensor."""
+        if not isinstance(out, torch.Tensor) or not out.is_meta:
+            return
+        key = out.untyped_storage()._cdata
+        if key in self.placeholders or key in self.derived:
+            return  # a view: found through its storage already
+        inputs = [t for t in _tensors_in((args, kwargs)) if t.is_meta]
+        sources = {self._source(t) for t in inputs}
+        if not inputs or None in sources or len(sources) != 1:
+            return  # not from one checkpoint tensor: a copy of it is "computed", and refused later
+        if any(not t.is_meta for t in _tensors_in((args, kwargs))):
+            signature: tuple = ("indexed by a real tensor", object())  # never shares a cached result
+        else:
+            signature = (getattr(func, "__name__", repr(func)), _leaves((args, kwargs), self._signature))
+        self.derived[key] = _Derived(sources.pop(), out, func, args, kwargs, signature)
+
+    def _positions(self, t: torch.Tensor, memo: dict) -> torch.Tensor:
+        """For each element of meta tensor ``t``: its flat position in its checkpoint tensor, computed
+        by running the recorded ops on position tensors instead of data."""
+        key = t.untyped_storage()._cdata
+        base = memo.get(key)
+        if base is None:
+            if key in self.placeholders:
+                base = torch.arange(math.prod(self.shapes[key]), dtype=torch.int64)
+            else:
+                d = self.derived[key]
+                out = d.func(*_replace(d.args, lambda x: self._positions(x, memo) if x.is_meta else x),
+                             **_replace(d.kwargs, lambda x: self._positions(x, memo) if x.is_meta else x))
+                n = d.out.untyped_storage().nbytes() // d.out.element_size()
+                base = torch.full((n,), -1, dtype=torch.int64)
+                base.as_strided(d.out.shape, d.out.stride(), d.out.storage_offset()).copy_(out)
+            memo[key] = base
+        return base.as_strided(t.shape, t.stride(), t.storage_offset())
+
+    def _derived_view(self, dest: torch.Tensor, src: torch.Tensor) -> Geometry | None:
+        cache_key = (self._signature(src), tuple(dest.shape))
+        if cache_key not in self.views:
+            try:
+                positions = torch.broadcast_to(self._positions(src, {}), dest.shape)
+                self.views[cache_key] = affine(positions)
+            except Exception:  # an op that cannot run on positions: not understood, so not planned
+                self.views[cache_key] = None
+        return self.views[cache_key]
 
     def _record(self, dest: torch.Tensor, src: torch.Tensor) -> None:
         name = self._source(src)
-        owner = self.memory.owner(dest)
+        owner = self.memory.owner(dest, refresh=True)
         if name is None:
             self.result.unsupported.append(
                 f"a tensor computed from checkpoint data (not a view of one tensor) is copied into "
@@ -147,10 +291,19 @@ class _Recorder(TorchFunctionMode):
         if owner is None:
             self.result.unsupported.append(f"{name} is copied into a tensor that is not a model parameter")
             return
-        if not self._claim(owner, dest, f"{owner} is written twice in overlapping regions (last: {name})"):
+        if src.untyped_storage()._cdata in self.derived:
+            view = self._derived_view(dest, src)
+            if view is None:
+                self.result.unsupported.append(
+                    f"{name} reaches {owner} through a reshaping the probe cannot describe as a strided view")
+                return
+            placement = Placement(name, dest, owner, *view, reshape=True)
+        else:
+            placement = Placement(name, dest, owner, tuple(src.shape), tuple(src.stride()), src.storage_offset())
+        if not self._claim(owner, dest, f"{owner} is written twice in overlapping regions (last: {name})",
+                           placement):
             return
-        self.result.placements.setdefault(name, []).append(Placement(
-            name, dest, owner, tuple(src.shape), tuple(src.stride()), src.storage_offset()))
+        self.result.placements.setdefault(name, []).append(placement)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -162,6 +315,10 @@ class _Recorder(TorchFunctionMode):
             self._record(args[0][args[1]], args[2])
             return None
         name = getattr(func, "__name__", "")
+        if name in _MOVES:
+            out = func(*args, **kwargs)
+            self._derive(func, args, kwargs, out)
+            return out
         if name == "__set__" and any(isinstance(a, torch.Tensor) and a.is_meta for a in args[1:]):
             self.result.unsupported.append("a weight loader replaces a parameter's .data")
             return None
@@ -178,15 +335,27 @@ class _Recorder(TorchFunctionMode):
         owner = self.memory.owner(dest)
         self._claim(owner, dest, f"{owner} is filled after checkpoint data was copied into it")
 
-    def _claim(self, owner: str, dest: torch.Tensor, overlap_reason: str) -> bool:
-        """Record that ``dest`` (in parameter ``owner``) is written; an overlap makes the probe give up,
-        because our reads do not keep the loader's write order."""
+    def _claim(self, owner: str, dest: torch.Tensor, overlap_reason: str,
+               placement: Placement | None = None) -> bool:
+        """Record that ``dest`` (in parameter ``owner``) is written. Our reads do not keep the
+        loader's write order, so an overlap makes the probe give up, with one exception that is
+        still exact: a copy into exactly the region (same address, shape and strides) an earlier
+        copy wrote replaces it, as the last write wins in the loader too (quantized layers write
+        a fused parameter's ``weight_shape`` once per shard)."""
         span = _span(dest)
-        for lo, hi in self.written.get(owner, []):
-            if span[0] < hi and lo < span[1]:
+        geometry = (tuple(dest.shape), tuple(dest.stride()))
+        entries = self.written.setdefault(owner, [])
+        for k, (other, other_geometry, earlier) in enumerate(entries):
+            if span[0] < other[1] and other[0] < span[1]:
+                if placement is not None and earlier is not None and other == span and other_geometry == geometry:
+                    self.result.placements[earlier.source].remove(earlier)
+                    if not self.result.placements[earlier.source]:
+                        del self.result.placements[earlier.source]
+                    entries[k] = (span, geometry, placement)
+                    return True
                 self.result.unsupported.append(overlap_reason)
                 return False
-        self.written.setdefault(owner, []).append(span)
+        entries.append((span, geometry, placement))
         self.result.covered[owner] = self.result.covered.get(owner, 0) + dest.numel()
         return True
 
@@ -197,10 +366,14 @@ def probe_model(model: nn.Module, tensors: Mapping[str, tuple[tuple[int, ...], t
     placeholders: dict[int, str] = {}
     memory = _MemoryIndex(model)
 
+    keep: list[torch.Tensor] = []  # placeholders stay alive, so no other meta storage reuses their ids
+
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
         for name, (shape, dtype) in tensors.items():
             ph = torch.empty(shape, dtype=dtype, device="meta")
+            keep.append(ph)
             placeholders[ph.untyped_storage()._cdata] = name
+            recorder.shapes[ph.untyped_storage()._cdata] = tuple(shape)
             yield name, ph
 
     recorder = _Recorder(placeholders, memory, result)
@@ -212,7 +385,7 @@ def probe_model(model: nn.Module, tensors: Mapping[str, tuple[tuple[int, ...], t
         result.unsupported.append(f"load_weights cannot run on placeholders: {type(exc).__name__}: {exc}")
         return result
     result.loaded_params = set(loaded) if loaded is not None else None
-    result.numel = memory.numel
+    result.numel = memory.numel  # after the probe: includes parameters registered during it
     leftovers = [n for n in _meta_tensors_in(model) if n not in meta_before]
     if leftovers:
         result.unsupported.append(f"placeholders were kept by the model: {', '.join(leftovers[:5])}")
