@@ -4,6 +4,9 @@ Each measurement is a fresh vLLM start in a subprocess (``bench/start_vllm.py``)
 each worker ``worker_hooks`` records ``load_weights`` seconds, bytes read and RSS per rank.
 Loaders are interleaved within every repetition (each repetition starts with the next
 loader); the cold-cache rows evict the checkpoint from the page cache before every start.
+``--source sshfs`` serves the checkpoint from a private ``sshd`` on loopback mounted with
+``sshfs`` (``bench/netfs.py``): a real network filesystem, where vLLM's answer is its
+``prefetch`` load strategy; there the cold rows evict both the server's files and the mount's.
 The machine's state (first touch of fresh memory, cold read speed of the disk) is measured
 in the same run and printed above the table, and ``--targets`` turns named targets into the
 exit status. Two reference rows read no file: ``zerofill`` (writes
@@ -35,12 +38,23 @@ LOADERS: dict[str, tuple[str, dict | None]] = {
     "fastload-buffered": ("fastload", {"direct_io": "never"}),
     "safetensors": ("safetensors", None),
     "safetensors-mt": ("safetensors", {"enable_multithread_load": True, "num_threads": 8}),
+    "safetensors-prefetch": ("safetensors", None),
     "runai_streamer": ("runai_streamer", None),
     "zerofill (floor)": ("zerofill", None),
     "memcopy (copy floor)": ("memcopy", None),
     "fastsafetensors": ("fastsafetensors", None),
     "instanttensor": ("instanttensor", None),
 }
+#: Loaders that differ in ``LLM(...)`` arguments rather than in their extra config.
+LLM_KWARGS: dict[str, dict] = {"safetensors-prefetch": {"safetensors_load_strategy": "prefetch"}}
+#: The loaders a source measures unless ``--loaders`` says otherwise.
+SOURCE_LOADERS: dict[str, list[str] | None] = {
+    "local": None,  # all that run here
+    "sshfs": ["fastload", "safetensors", "safetensors-prefetch"],
+}
+#: Default page-cache states per source: a network filesystem is measured cold (its server's
+#: and the client's page cache evicted): a warm client cache would not be a network read.
+SOURCE_CACHE = {"local": "warm,cold", "sshfs": "cold"}
 #: Reference loaders that read no file (see the module docstring).
 REFERENCES = {"zerofill (floor)", "memcopy (copy floor)"}
 CUDA_ONLY = {"fastsafetensors", "instanttensor"}
@@ -74,7 +88,7 @@ def run_once(model: str, loader: str, tp: int, work: Path, cache: str = "") -> d
     load_format, extra = LOADERS[loader]
     probe_dir = Path(tempfile.mkdtemp(dir=work))
     cmd = [sys.executable, "-m", "vllm_fastload.bench.start_vllm", model, load_format, str(tp),
-           json.dumps(extra) if extra else ""]
+           json.dumps(extra) if extra else "", json.dumps(LLM_KWARGS.get(loader, {}))]
     env = vllm_env(tp, FASTLOAD_BENCH_DIR=str(probe_dir), FASTLOAD_PROGRESS="false", FASTLOAD_BENCH_CACHE=cache)
     log = probe_dir / "vllm.log"
     with log.open("wb") as f:
@@ -112,19 +126,53 @@ def root_cause(log: str) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    source = getattr(args, "source", "local") or "local"
+    wanted_targets = parse_targets(args.targets, source)  # a typo fails before minutes of set-up
+    if source == "sshfs":
+        from vllm_fastload.bench.netfs import sshfs_mount
+
+        local = args.model or str(write_checkpoint(".fastload/netfs-llama", "netfs-llama", files=4))
+        options = tuple(o for o in (args.sshfs_options or "").split(",") if o)
+        with sshfs_mount(local, options=options) as mountpoint:
+            print(f"sshfs: {local} served by a private sshd on loopback, mounted at {mountpoint}"
+                  f" (options: {', '.join(options) or 'defaults'})", flush=True)
+            return run_bench(args, str(mountpoint), source, wanted_targets,
+                             server_files=sorted(str(p) for p in Path(local).glob("*.safetensors")))
     model = args.model or str(write_checkpoint(".fastload/bench-llama", "bench-llama", files=4))
+    return run_bench(args, model, source, wanted_targets)
+
+
+def select_loaders(source: str, loaders: str | None) -> tuple[list[str], dict[str, str]]:
+    """The loaders to measure: ``--loaders`` if given, else the source's defaults, of those that run here."""
+    names, skipped = available_loaders()
+    wanted = loaders.split(",") if loaders else SOURCE_LOADERS[source]
+    if wanted is not None:
+        unknown = [w for w in wanted if w not in LOADERS and w not in {n.split(" ")[0] for n in LOADERS}]
+        if unknown:
+            raise SystemExit(f"unknown loader(s) {', '.join(unknown)}; known: {', '.join(LOADERS)}")
+        names = [n for n in names if n in wanted or n.split(" ")[0] in wanted]
+    return names, skipped
+
+
+def run_bench(args: argparse.Namespace, model: str, source: str, wanted_targets: dict[str, float],
+              server_files: list[str] | None = None) -> int:
+    """Measure every loader on ``model``; ``server_files``: the files behind a network mount,
+    evicted too before every cold start (the server's page cache is the network FS's disk)."""
     files = sorted(str(p) for p in Path(model).glob("*.safetensors"))
     total = sum(Path(f).stat().st_size for f in files)
-    wanted_targets = parse_targets(args.targets)
-    names, skipped = available_loaders()
-    if args.loaders:
-        wanted = args.loaders.split(",")
-        names = [n for n in names if n in wanted or n.split(" ")[0] in wanted]
+    names, skipped = select_loaders(source, args.loaders)
     tps = [int(t) for t in args.tp.split(",")]
-    caches = args.cache.split(",")
-    print(f"checkpoint {model}: {total / 1e9:.2f} GB; loaders {names}; skipped {skipped}")
+    caches = (args.cache or SOURCE_CACHE[source]).split(",")
+    from vllm_fastload.sources.fstype import filesystem_type
+
+    fstype = filesystem_type(files[0]) if files else ""
+    print(f"checkpoint {model} ({fstype or 'unknown filesystem'}): {total / 1e9:.2f} GB; loaders {names}; "
+          f"skipped {skipped}")
     state = MachineState()
-    print(f"  disk: {state.sample_disk(files):.2f} GB/s cold sequential read", flush=True)
+    if server_files:
+        evict(server_files)
+    what = "network filesystem, 4 threads" if server_files else "disk"
+    print(f"  {what}: {state.sample_disk(files):.2f} GB/s cold sequential read", flush=True)
     if args.release_memory:
         speed = release_memory(args.release_memory)
         print(f"  touched and released {args.release_memory:g} GiB of memory at {speed:.2f} GB/s, "
@@ -147,7 +195,7 @@ def main(args: argparse.Namespace) -> int:
                     if name in REFERENCES and cache == "cold":
                         continue  # reads nothing: the page cache does not matter
                     if cache == "cold":
-                        evict(files)
+                        evict(files + (server_files or []))
                     else:
                         warm_up(files)
                     res = run_once(model, name, tp, work, cache)
@@ -158,6 +206,8 @@ def main(args: argparse.Namespace) -> int:
                         secs = [r["seconds"] for r in res["ranks"]]
                         print(f"  tp={tp} {cache:<4} rep {rep + 1} {name:<20} load_weights per rank "
                               f"{', '.join(f'{s:.2f}' for s in secs)} s", flush=True)
+    if server_files:
+        evict(server_files)
     state.sample_disk(files)
     rows = summarize(results, total)
     print()
@@ -166,12 +216,13 @@ def main(args: argparse.Namespace) -> int:
     verdicts = check_targets(rows, wanted_targets)
     print_verdicts(verdicts)
     out = Path(args.out)
-    (out / "bench-vllm.json").write_text(json.dumps({"checkpoint_bytes": total, "rows": rows, "raw": results,
-                                                      "machine": state.as_dict(), "targets": verdicts,
-                                                      "skipped": skipped, "stopped_early": stopped_early},
-                                                     indent=2))
-    chart(rows, out / "bench-vllm.png")
-    print(f"wrote {out / 'bench-vllm.json'} and {out / 'bench-vllm.png'}"
+    stem = "bench-vllm" if source == "local" else f"bench-vllm-{source}"
+    (out / f"{stem}.json").write_text(json.dumps({"source": source, "filesystem": fstype, "checkpoint_bytes": total,
+                                                  "rows": rows, "raw": results, "machine": state.as_dict(),
+                                                  "targets": verdicts, "skipped": skipped,
+                                                  "stopped_early": stopped_early}, indent=2))
+    chart(rows, out / f"{stem}.png", title=f"vLLM load_weights by loader, checkpoint on {fstype or source}")
+    print(f"wrote {out / f'{stem}.json'} and {out / f'{stem}.png'}"
           + (" (time limit reached: some runs skipped)" if stopped_early else ""))
     return 1 if any(not v["ok"] for v in verdicts) else 0
 
@@ -235,18 +286,27 @@ TARGETS: dict[str, tuple[float, str]] = {
     "warm-default": (0.0, "warm, every TP: fastload median - default median, at most the larger spread (max-min) "
                           "of the two rows plus this many seconds"),
     "disk-tp2": (0.56, "TP=2: disk bytes per rank / checkpoint bytes, every cache state"),
+    "netfs-default": (0.70, "network filesystem (--source sshfs), every TP, cold: fastload / default loader"),
+    "netfs-prefetch": (1.00, "network filesystem (--source sshfs), every TP, cold: fastload / the default "
+                             "loader's prefetch strategy"),
 }
 
 
-def parse_targets(spec: str | None) -> dict[str, float]:
-    """``--targets all`` or ``cold-tp1,disk-tp2=0.55``: names from TARGETS, optional own limits."""
+#: Targets that ``--targets all`` means for each source (the others need rows it does not measure).
+SOURCE_TARGETS = {"local": ["cold-tp1", "cold-tp2", "warm-floor", "warm-default", "disk-tp2"],
+                  "sshfs": ["netfs-default", "netfs-prefetch", "disk-tp2"]}
+
+
+def parse_targets(spec: str | None, source: str = "local") -> dict[str, float]:
+    """``--targets all`` (this source's targets) or ``cold-tp1,disk-tp2=0.55``: names from TARGETS,
+    optional own limits."""
     if not spec:
         return {}
     out: dict[str, float] = {}
     for item in spec.split(","):
         name, _, value = item.strip().partition("=")
         if name == "all":
-            out.update({n: limit for n, (limit, _) in TARGETS.items()})
+            out.update({n: TARGETS[n][0] for n in SOURCE_TARGETS[source]})
             continue
         if name not in TARGETS:
             raise SystemExit(f"unknown target {name!r}; known: all, {', '.join(TARGETS)}")
@@ -271,6 +331,13 @@ def check_targets(rows: list[dict], targets: dict[str, float]) -> list[dict]:
             fl, base = _row(rows, tp, "cold", "fastload"), _row(rows, tp, "cold", "safetensors")
             value = fl["seconds_median"] / base["seconds_median"] if fl and base else None
             verdict(name, tp, value, limit, "fastload / default, cold" if value is not None else "rows not measured")
+        elif name in ("netfs-default", "netfs-prefetch"):
+            other = "safetensors" if name == "netfs-default" else "safetensors-prefetch"
+            for tp in sorted({r["tp"] for r in rows if r["loader"] == "fastload"}) or ["tp?"]:
+                fl, base = _row(rows, tp, "cold", "fastload"), _row(rows, tp, "cold", other)
+                value = fl["seconds_median"] / base["seconds_median"] if fl and base else None
+                verdict(name, tp, value, limit, f"fastload / {other}, cold" if value is not None
+                        else "rows not measured")
         elif name == "disk-tp2":
             fls = [r for r in rows if r["tp"] == "tp2" and r["loader"] == "fastload" and "error" not in r]
             value = max(r["disk_read_per_rank"] / r["checkpoint_bytes"] for r in fls) if fls else None
@@ -305,7 +372,7 @@ def print_verdicts(verdicts: list[dict]) -> None:
               f"(limit {v['limit']:g}; {v['detail']})")
 
 
-def chart(rows: list[dict], path: Path) -> None:
+def chart(rows: list[dict], path: Path, title: str = "vLLM load_weights by loader") -> None:
     try:
         import matplotlib
 
@@ -322,6 +389,6 @@ def chart(rows: list[dict], path: Path) -> None:
     ax.bar(range(len(ok)), [r["seconds_median"] for r in ok], color=colors)
     ax.set_xticks(range(len(ok)), labels, rotation=60, ha="right", fontsize=7)
     ax.set_ylabel("load_weights, slowest rank (s, median)")
-    ax.set_title("vLLM load_weights by loader (lower is better)")
+    ax.set_title(f"{title} (lower is better)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
