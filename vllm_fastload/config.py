@@ -19,7 +19,8 @@ from vllm_fastload.sources.config import RemoteConfig
 
 ENV_PREFIX = "FASTLOAD_"
 #: Variables with our prefix that are switches, not config fields.
-_NON_CONFIG_ENV = {"FASTLOAD_TGI", "FASTLOAD_BENCH_DIR", "FASTLOAD_BENCH_CACHE", "FASTLOAD_TEST_EVENTS"}
+_NON_CONFIG_ENV = {"FASTLOAD_TGI", "FASTLOAD_BENCH_DIR", "FASTLOAD_BENCH_CACHE", "FASTLOAD_BENCH_ENDPOINTS",
+                   "FASTLOAD_TEST_EVENTS"}
 
 LayerCallback = Callable[..., Any]
 
