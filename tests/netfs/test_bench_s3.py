@@ -61,6 +61,19 @@ def test_ranks_are_counted_by_their_own_proxy(s3bench, monkeypatch) -> None:
                 assert torch.equal(got[name], f.get_tensor(name)), name
 
 
+def test_proxy_reuses_its_upstream_after_head_requests(s3bench) -> None:
+    """HEAD, then GETs on the same kept-alive connections (vLLM's Run:ai streamer does this)."""
+    import obstore
+
+    store = objstore._store(s3bench.rank_proxies[0].url)
+    key = next(iter(s3bench.sizes))
+    s3bench.rank_proxies[0].take()
+    for _ in range(3):
+        assert obstore.head(store, key)["size"] == s3bench.sizes[key]
+        assert len(obstore.get_range(store, key, start=0, length=100)) == 100
+    assert s3bench.rank_proxies[0].take() == (300, 6)  # only GET bodies count as bytes served
+
+
 def test_default_loader_row_times_its_download(s3bench) -> None:
     seen = {}
 

@@ -181,6 +181,7 @@ class CountingProxy:
                     while self.command != "HEAD" and (piece := resp.read(1 << 20)):
                         self.wfile.write(piece)
                         sent += len(piece)
+                    resp.read()  # a HEAD's (empty) body too: the upstream connection is reused
                 else:
                     data = resp.read()
                     self.send_header("Content-Length", str(len(data)))

@@ -351,7 +351,7 @@ TARGETS: dict[str, tuple[float, str]] = {
 
 #: Targets that ``--targets all`` means for each source (the others need rows it does not measure).
 SOURCE_TARGETS = {"local": ["cold-tp1", "cold-tp2", "warm-floor", "warm-default", "disk-tp2"],
-                  "sshfs": ["netfs-default", "netfs-prefetch", "disk-tp2"],
+                  "sshfs": ["netfs-default", "netfs-prefetch"],
                   "s3": ["s3-bytes-tp2", "s3-runai-tp2", "s3-runai-tp1", "s3-limit-tp1"]}
 
 
