@@ -24,6 +24,10 @@ def test_sshfs_measures_fastload_against_default_and_prefetch() -> None:
     assert bench.select_loaders("sshfs", "fastload,zerofill")[0] == ["fastload", "zerofill (floor)"]
     with pytest.raises(SystemExit, match="unknown loader"):
         bench.select_loaders("sshfs", "fastload,prefetch")
+    with pytest.raises(SystemExit, match="needs --source s3"):
+        bench.select_loaders("sshfs", "safetensors+download")
+    local, _ = bench.select_loaders("local", None)  # the local benchmark measures what it always did
+    assert "safetensors" in local and "safetensors+download" not in local and "safetensors-prefetch" not in local
 
 
 def test_vllm_knows_the_prefetch_strategy() -> None:

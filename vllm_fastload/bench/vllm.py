@@ -51,8 +51,9 @@ LOADERS: dict[str, tuple[str, dict | None]] = {
 #: Loaders that differ in ``LLM(...)`` arguments rather than in their extra config.
 LLM_KWARGS: dict[str, dict] = {"safetensors-prefetch": {"safetensors_load_strategy": "prefetch"}}
 #: The loaders a source measures unless ``--loaders`` says otherwise.
-SOURCE_LOADERS: dict[str, list[str] | None] = {
-    "local": None,  # all that run here
+SOURCE_LOADERS: dict[str, list[str]] = {
+    "local": ["fastload", "fastload-buffered", "safetensors", "safetensors-mt", "runai_streamer", "zerofill (floor)",
+              "memcopy (copy floor)", "fastsafetensors", "instanttensor"],
     "sshfs": ["fastload", "safetensors", "safetensors-prefetch"],
     # safetensors+download: the default loader on a local copy, downloaded right before the start
     # (its time is added to load_weights).
@@ -171,6 +172,8 @@ def select_loaders(source: str, loaders: str | None) -> tuple[list[str], dict[st
         if unknown:
             raise SystemExit(f"unknown loader(s) {', '.join(unknown)}; known: {', '.join(LOADERS)}")
         names = [n for n in names if n in wanted or n.split(" ")[0] in wanted]
+    if source != "s3" and "safetensors+download" in names:
+        raise SystemExit("safetensors+download needs --source s3 (it downloads the checkpoint from the store)")
     return names, skipped
 
 
