@@ -4,5 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup.sh
+scripts/setup-netsources.sh
 python -m ruff check vllm_fastload tgi_patch tests examples
 exec python -m pytest -rs "$@"

@@ -16,6 +16,7 @@ from vllm_fastload.executor import LoadStats, PlanExecutor
 from vllm_fastload.format import Checkpoint, TensorInfo
 from vllm_fastload.plan import Plan, TensorRequest, build_plan, plan_tensor
 from vllm_fastload.readers import Reader, make_reader
+from vllm_fastload.sources import fstype
 from vllm_fastload.tensors import CASTABLE, cast, torch_dtype, torch_shape
 
 RequestLike = str | TensorRequest
@@ -43,6 +44,9 @@ class FastCheckpoint:
         # is used as is; a path is discovered.
         self.checkpoint = path if isinstance(path, Checkpoint) else Checkpoint.discover(
             path, remote=self.config.remote, memory_budget=int(self.config.memory_budget))
+        if not self.checkpoint.is_remote and self.checkpoint.files:
+            # On a network filesystem some defaults differ (fields the caller set are kept).
+            self.config = fstype.tuned(self.config, next(iter(self.checkpoint.files.values())).path)
         self.show_progress = self.config.progress if show_progress is None else show_progress
         for callback in self.config.on_layer_ready:
             resolve_callback(callback)  # a typo in "module:function" fails here, not mid-load

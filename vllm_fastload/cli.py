@@ -107,10 +107,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="interleaved repetitions (medians need >= 3)")
     p.add_argument("--tp", default="1,2", help="comma-separated TP sizes")
     p.add_argument("--loaders", default=None, help="comma-separated; default: all that run here")
-    p.add_argument("--cache", default="warm,cold", help="warm, cold or both")
+    p.add_argument("--cache", default=None, help="warm, cold or both (default: both; cold for --source sshfs)")
+    p.add_argument("--source", default="local", choices=["local", "sshfs", "s3"],
+                   help="where the checkpoint is read from: a local directory; an sshfs mount of it served by a "
+                        "private sshd on loopback; or s3rver on loopback (npm, installed into .fastload/s3rver) "
+                        "(default checkpoint for both: the 0.31 GB netfs-llama)")
+    p.add_argument("--sshfs-options", default="", help="extra sshfs -o options, comma-separated (--source sshfs)")
     p.add_argument("--targets", default=None,
                    help="exit 1 if a named target is missed: 'all' or e.g. 'cold-tp1,disk-tp2=0.55' "
-                        "(cold-tp1, cold-tp2, warm-floor, warm-default, disk-tp2)")
+                        "(cold-tp1, cold-tp2, warm-floor, warm-default, disk-tp2, netfs-default, netfs-prefetch, "
+                        "s3-bytes-tp2, s3-runai-tp2, s3-runai-tp1, s3-limit-tp1)")
     p.add_argument("--release-memory", type=float, default=0, metavar="GIB",
                    help="first touch and free this much memory and wait a minute, so that fresh memory is slow "
                         "to touch as on a freshly started VM (free page reporting)")

@@ -37,8 +37,8 @@ ENV_PREFIX = "FASTLOAD_"
 #: Separates a nested field in a variable's name: ``FASTLOAD_REMOTE__TIMEOUT_S=10``.
 ENV_NESTED = "__"
 #: Variables with our prefix that are switches of the project's scripts and adapters, not config fields.
-SWITCHES = frozenset({"FASTLOAD_TGI", "FASTLOAD_BENCH_DIR", "FASTLOAD_BENCH_CACHE", "FASTLOAD_TEST_EVENTS",
-                      "FASTLOAD_VENV"})
+SWITCHES = frozenset({"FASTLOAD_TGI", "FASTLOAD_BENCH_DIR", "FASTLOAD_BENCH_CACHE", "FASTLOAD_BENCH_ENDPOINTS",
+                      "FASTLOAD_TEST_EVENTS", "FASTLOAD_VENV"})
 
 LayerCallback = Callable[..., Any]
 

@@ -4,6 +4,9 @@ Each measurement is a fresh vLLM start in a subprocess (``bench/start_vllm.py``)
 each worker ``worker_hooks`` records ``load_weights`` seconds, bytes read and RSS per rank.
 Loaders are interleaved within every repetition (each repetition starts with the next
 loader); the cold-cache rows evict the checkpoint from the page cache before every start.
+``--source sshfs`` serves the checkpoint from a private ``sshd`` on loopback mounted with
+``sshfs`` (``bench/netfs.py``): a real network filesystem, where vLLM's answer is its
+``prefetch`` load strategy; there the cold rows evict both the server's files and the mount's.
 The machine's state (first touch of fresh memory, cold read speed of the disk) is measured
 in the same run and printed above the table, and ``--targets`` turns named targets into the
 exit status. Two reference rows read no file: ``zerofill`` (writes
@@ -15,6 +18,7 @@ loader that must deliver the bytes, the best any warm-cache loader could do.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import mmap
@@ -38,17 +42,36 @@ LOADERS: dict[str, tuple[str, dict | None]] = {
     "fastload-buffered": ("fastload", {"direct_io": "never"}),
     "safetensors": ("safetensors", None),
     "safetensors-mt": ("safetensors", {"enable_multithread_load": True, "num_threads": 8}),
+    "safetensors-prefetch": ("safetensors", None),
     "runai_streamer": ("runai_streamer", None),
+    "runai_streamer-distributed": ("runai_streamer", {"distributed": True}),
+    "safetensors+download": ("safetensors", None),
     "zerofill (floor)": ("zerofill", None),
     "memcopy (copy floor)": ("memcopy", None),
     "fastsafetensors": ("fastsafetensors", None),
     "instanttensor": ("instanttensor", None),
 }
+#: Loaders that differ in ``LLM(...)`` arguments rather than in their extra config.
+LLM_KWARGS: dict[str, dict] = {"safetensors-prefetch": {"safetensors_load_strategy": "prefetch"}}
+#: The loaders a source measures unless ``--loaders`` says otherwise.
+SOURCE_LOADERS: dict[str, list[str]] = {
+    "local": ["fastload", "fastload-buffered", "safetensors", "safetensors-mt", "runai_streamer", "zerofill (floor)",
+              "memcopy (copy floor)", "fastsafetensors", "instanttensor"],
+    "sshfs": ["fastload", "safetensors", "safetensors-prefetch"],
+    # safetensors+download: the default loader on a local copy, downloaded right before the start
+    # (its time is added to load_weights).
+    "s3": ["fastload", "runai_streamer", "runai_streamer-distributed", "safetensors+download"],
+}
+#: Default page-cache states per source: a network filesystem is measured cold (its server's
+#: and the client's page cache evicted): a warm client cache would not be a network read.
+SOURCE_CACHE = {"local": "warm,cold", "sshfs": "cold", "s3": "cold"}
 #: Reference loaders that read no file (see the module docstring).
 REFERENCES = {"zerofill (floor)", "memcopy (copy floor)"}
-CUDA_ONLY = {"fastsafetensors", "instanttensor"}
-NEEDS = {"runai_streamer": "runai_model_streamer", "fastsafetensors": "fastsafetensors",
-         "instanttensor": "instanttensor"}
+#: runai_streamer-distributed: vLLM 0.32 reads ``distributed`` only on CUDA/ROCm (each rank
+#: fetches part of every file and broadcasts it over the device interconnect).
+CUDA_ONLY = {"fastsafetensors", "instanttensor", "runai_streamer-distributed"}
+NEEDS = {"runai_streamer": "runai_model_streamer", "runai_streamer-distributed": "runai_model_streamer",
+         "fastsafetensors": "fastsafetensors", "instanttensor": "instanttensor", "safetensors+download": "obstore"}
 
 
 def available_loaders() -> tuple[list[str], dict[str, str]]:
@@ -73,12 +96,13 @@ def warm_up(paths: list[str]) -> None:
                 pass
 
 
-def run_once(model: str, loader: str, tp: int, work: Path, cache: str = "") -> dict:
+def run_once(model: str, loader: str, tp: int, work: Path, cache: str = "", env_extra: dict | None = None) -> dict:
     load_format, extra = LOADERS[loader]
     probe_dir = Path(tempfile.mkdtemp(dir=work))
     cmd = [sys.executable, "-m", "vllm_fastload.bench.start_vllm", model, load_format, str(tp),
-           json.dumps(extra) if extra else ""]
-    env = vllm_env(tp, FASTLOAD_BENCH_DIR=str(probe_dir), FASTLOAD_PROGRESS="false", FASTLOAD_BENCH_CACHE=cache)
+           json.dumps(extra) if extra else "", json.dumps(LLM_KWARGS.get(loader, {}))]
+    env = vllm_env(tp, FASTLOAD_BENCH_DIR=str(probe_dir), FASTLOAD_PROGRESS="false", FASTLOAD_BENCH_CACHE=cache,
+                   **(env_extra or {}))
     log = probe_dir / "vllm.log"
     with log.open("wb") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=900)
@@ -87,6 +111,10 @@ def run_once(model: str, loader: str, tp: int, work: Path, cache: str = "") -> d
         cause = root_cause(log.read_text(errors="replace"))
         return {"error": f"exit {proc.returncode}, {len(ranks)} rank records: {cause} (log: {log})"}
     return {"ranks": ranks}
+
+
+def _start_s3(model: str, env: dict[str, str], *, name: str, tp: int, work: Path, cache: str) -> dict:
+    return run_once(model, name, tp, work, cache, env)
 
 
 #: An exception line as Python prints it, behind vLLM's "(Worker pid=N)" style prefix if any.
@@ -115,19 +143,70 @@ def root_cause(log: str) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    source = getattr(args, "source", "local") or "local"
+    wanted_targets = parse_targets(args.targets, source)  # a typo fails before minutes of set-up
+    if source == "sshfs":
+        from vllm_fastload.bench.netfs import sshfs_mount
+
+        local = args.model or str(write_checkpoint(".fastload/netfs-llama", "netfs-llama", files=4))
+        options = tuple(o for o in (args.sshfs_options or "").split(",") if o)
+        with sshfs_mount(local, options=options) as mountpoint:
+            print(f"sshfs: {local} served by a private sshd on loopback, mounted at {mountpoint}"
+                  f" (options: {', '.join(options) or 'defaults'})", flush=True)
+            return run_bench(args, str(mountpoint), source, wanted_targets,
+                             server_files=sorted(str(p) for p in Path(local).glob("*.safetensors")))
+    if source == "s3":
+        from vllm_fastload.bench.s3bench import S3Bench
+
+        local = Path(args.model or write_checkpoint(".fastload/netfs-llama", "netfs-llama", files=4))
+        tps = [int(t) for t in args.tp.split(",")]
+        with S3Bench(local, ranks=max(tps), work=Path(args.out) / "s3-copies") as s3:
+            return run_bench(args, s3.uri, source, wanted_targets, s3=s3)
     model = args.model or str(write_checkpoint(".fastload/bench-llama", "bench-llama", files=4))
-    files = sorted(str(p) for p in Path(model).glob("*.safetensors"))
-    total = sum(Path(f).stat().st_size for f in files)
-    wanted_targets = parse_targets(args.targets)
+    return run_bench(args, model, source, wanted_targets)
+
+
+def select_loaders(source: str, loaders: str | None) -> tuple[list[str], dict[str, str]]:
+    """The loaders to measure: ``--loaders`` if given, else the source's defaults, of those that run here."""
     names, skipped = available_loaders()
-    if args.loaders:
-        wanted = args.loaders.split(",")
+    wanted = loaders.split(",") if loaders else SOURCE_LOADERS[source]
+    if wanted is not None:
+        unknown = [w for w in wanted if w not in LOADERS and w not in {n.split(" ")[0] for n in LOADERS}]
+        if unknown:
+            raise SystemExit(f"unknown loader(s) {', '.join(unknown)}; known: {', '.join(LOADERS)}")
         names = [n for n in names if n in wanted or n.split(" ")[0] in wanted]
+    if source != "s3" and "safetensors+download" in names:
+        raise SystemExit("safetensors+download needs --source s3 (it downloads the checkpoint from the store)")
+    return names, skipped
+
+
+def run_bench(args: argparse.Namespace, model: str, source: str, wanted_targets: dict[str, float],
+              server_files: list[str] | None = None, s3=None) -> int:
+    """Measure every loader on ``model``; ``server_files``: the files behind a network mount,
+    evicted too before every cold start (the server's page cache is the network FS's disk);
+    ``s3``: a ``bench.s3bench.S3Bench`` when ``model`` is an object URI."""
+    if s3 is not None:
+        files, server_files, total = [], s3.server_files(), s3.checkpoint_bytes
+    else:
+        files = sorted(str(p) for p in Path(model).glob("*.safetensors"))
+        total = sum(Path(f).stat().st_size for f in files)
+    names, skipped = select_loaders(source, args.loaders)
     tps = [int(t) for t in args.tp.split(",")]
-    caches = args.cache.split(",")
-    print(f"checkpoint {model}: {total / 1e9:.2f} GB; loaders {names}; skipped {skipped}")
+    caches = (args.cache or SOURCE_CACHE[source]).split(",")
+    from vllm_fastload.sources.fstype import filesystem_type
+
+    fstype = filesystem_type(files[0]) if files else "s3rver" if s3 is not None else ""
+    print(f"checkpoint {model} ({fstype or 'unknown filesystem'}): {total / 1e9:.2f} GB; loaders {names}; "
+          f"skipped {skipped}")
     state = MachineState()
-    print(f"  disk: {state.sample_disk(files):.2f} GB/s cold sequential read", flush=True)
+    if server_files:
+        evict(server_files)
+    if s3 is not None:
+        print(f"  object store: {s3.sample_limit():.2f} GB/s, parallel ranged GETs of every object into memory",
+              flush=True)
+    else:
+        what = "network filesystem, 4 threads" if server_files else "disk"
+        print(f"  {what}: {state.sample_disk(files):.2f} GB/s cold sequential read", flush=True)
     if args.release_memory:
         speed = release_memory(args.release_memory)
         print(f"  touched and released {args.release_memory:g} GiB of memory at {speed:.2f} GB/s, "
@@ -150,32 +229,51 @@ def main(args: argparse.Namespace) -> int:
                     if name in REFERENCES and cache == "cold":
                         continue  # reads nothing: the page cache does not matter
                     if cache == "cold":
-                        evict(files)
+                        evict(files + (server_files or []))
                     else:
                         warm_up(files)
-                    res = run_once(model, name, tp, work, cache)
+                    if s3 is None:
+                        res = run_once(model, name, tp, work, cache)
+                    else:
+                        res = s3.run(name, tp, functools.partial(_start_s3, name=name, tp=tp, work=work, cache=cache))
                     results.setdefault(f"tp{tp}|{cache}|{name}", []).append(res)
                     if "error" in res:
                         print(f"  tp={tp} {cache} rep {rep + 1} {name}: FAILED {res['error']}", flush=True)
                     else:
                         secs = [r["seconds"] for r in res["ranks"]]
+                        served = res.get("served_per_rank")
                         print(f"  tp={tp} {cache:<4} rep {rep + 1} {name:<20} load_weights per rank "
-                              f"{', '.join(f'{s:.2f}' for s in secs)} s", flush=True)
-    state.sample_disk(files)
+                              f"{', '.join(f'{s:.2f}' for s in secs)} s"
+                              + (f" (incl. download {res['download_seconds']:.2f} s)" if "download_seconds" in res
+                                 else "")
+                              + (f"; served per rank {', '.join(f'{b / 1e9:.3f}' for b in served)} GB"
+                                 if served else ""), flush=True)
+    if server_files:
+        evict(server_files)
+    if s3 is not None:
+        s3.sample_limit()
+    else:
+        state.sample_disk(files)
     rows = summarize(results, total)
     print()
     print(state.summary())
+    if s3 is not None:
+        print(s3.summary())
+        for row in rows:
+            row["server_limit_gbps"] = statistics.median(s3.limits)
     print_table(rows)
     bounds = {"disk_gbps": statistics.median(state.disk), "page_share_tp2": page_rounded_share(model, 2)}
     verdicts = check_targets(rows, wanted_targets, bounds)
     print_verdicts(verdicts)
     out = Path(args.out)
-    (out / "bench-vllm.json").write_text(json.dumps({"checkpoint_bytes": total, "rows": rows, "raw": results,
-                                                      "machine": state.as_dict(), "targets": verdicts,
-                                                      "skipped": skipped, "stopped_early": stopped_early},
-                                                     indent=2))
-    chart(rows, out / "bench-vllm.png")
-    print(f"wrote {out / 'bench-vllm.json'} and {out / 'bench-vllm.png'}"
+    stem = "bench-vllm" if source == "local" else f"bench-vllm-{source}"
+    (out / f"{stem}.json").write_text(json.dumps({"source": source, "filesystem": fstype, "checkpoint_bytes": total,
+                                                  "server_limit_gbps": s3.limits if s3 is not None else None,
+                                                  "rows": rows, "raw": results, "machine": state.as_dict(),
+                                                  "targets": verdicts, "skipped": skipped,
+                                                  "stopped_early": stopped_early}, indent=2))
+    chart(rows, out / f"{stem}.png", title=f"vLLM load_weights by loader, checkpoint on {fstype or source}")
+    print(f"wrote {out / f'{stem}.json'} and {out / f'{stem}.png'}"
           + (" (time limit reached: some runs skipped)" if stopped_early else ""))
     return 1 if any(not v["ok"] for v in verdicts) else 0
 
@@ -198,6 +296,9 @@ def summarize(results: dict[str, list[dict]], total: int) -> list[dict]:
             "peak_rss_mb": max(r["hwm_after_kb"] for run in ok for r in run["ranks"]) / 1024,
             "checkpoint_bytes": total,
         })
+        served = [b for run in ok for b in run.get("served_per_rank", [])]
+        if served:
+            rows[-1]["served_per_rank"] = max(served)
     for row in rows:
         base = _row(rows, row["tp"], row["cache"], "safetensors")
         floor = _row(rows, row["tp"], "warm", FLOOR)
@@ -213,20 +314,25 @@ def _row(rows: list[dict], tp: str, cache: str, loader: str) -> dict | None:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"\n{'tp':<4}{'cache':<6}{'loader':<21}{'median s':>9}{'min s':>7}{'max s':>7}{'n':>3}{'vs default':>11}"
-          f"{'vs floor':>9}{'read/rank GB':>13}{'disk/rank GB':>13}{'peak RSS MB':>12}")
+    served = any("served_per_rank" in r for r in rows)
+    print(f"\n{'tp':<4}{'cache':<6}{'loader':<27}{'median s':>9}{'min s':>7}{'max s':>7}{'n':>3}{'vs default':>11}"
+          f"{'vs floor':>9}{'read/rank GB':>13}{'disk/rank GB':>13}{'peak RSS MB':>12}"
+          + (f"{'served/rank GB':>15}" if served else ""))
     for r in rows:
         if "error" in r:
-            print(f"{r['tp'][2:]:<4}{r['cache']:<6}{r['loader']:<21} FAILED: {r['error']}")
+            print(f"{r['tp'][2:]:<4}{r['cache']:<6}{r['loader']:<27} FAILED: {r['error']}")
             continue
         vs = f"{r['vs_safetensors']:.2f}x" if r.get("vs_safetensors") else "-"
         fl = f"{r['vs_floor']:.2f}x" if r.get("vs_floor") else "-"
-        print(f"{r['tp'][2:]:<4}{r['cache']:<6}{r['loader']:<21}{r['seconds_median']:>9.2f}{r['seconds_min']:>7.2f}"
+        sv = f"{r['served_per_rank'] / 1e9:>15.3f}" if "served_per_rank" in r else f"{'-':>15}" if served else ""
+        print(f"{r['tp'][2:]:<4}{r['cache']:<6}{r['loader']:<27}{r['seconds_median']:>9.2f}{r['seconds_min']:>7.2f}"
               f"{r['seconds_max']:>7.2f}{r['runs']:>3}{vs:>11}{fl:>9}{r['rchar_per_rank'] / 1e9:>13.2f}"
-              f"{r['disk_read_per_rank'] / 1e9:>13.2f}{r['peak_rss_mb']:>12.0f}")
+              f"{r['disk_read_per_rank'] / 1e9:>13.2f}{r['peak_rss_mb']:>12.0f}{sv}")
     print("median/min/max: load_weights of the slowest rank over n runs; vs: ratio of medians (floor: the warm "
           "zero-fill row); read/rank: bytes through read calls (mmap page faults are not counted there); "
-          "disk/rank: bytes fetched from storage")
+          "disk/rank: bytes fetched from storage"
+          + ("; served/rank: bytes the object store served each rank (counted by a proxy in front of it); "
+             "safetensors+download: load_weights plus the download of the local copy" if served else ""))
 
 
 # -- targets -------------------------------------------------------------------------------
@@ -239,18 +345,33 @@ TARGETS: dict[str, tuple[float, str]] = {
     "warm-default": (0.0, "warm, every TP: fastload median - default median, at most the larger spread (max-min) "
                           "of the two rows plus this many seconds"),
     "disk-tp2": (0.56, "TP=2: disk bytes per rank / checkpoint bytes, every cache state"),
+    "netfs-default": (0.70, "network filesystem (--source sshfs), every TP, cold: fastload / default loader"),
+    "s3-bytes-tp2": (0.60, "object store, TP=2: bytes served per rank (server side) / checkpoint"),
+    "s3-runai-tp2": (0.60, "object store, TP=2: fastload / runai_streamer"),
+    "s3-runai-tp1": (1.00, "object store, TP=1: fastload / runai_streamer"),
+    "s3-limit-tp1": (1.25, "object store, TP=1: fastload seconds / the seconds the server's own limit allows "
+                           "(1.25: at least 80% of the limit)"),
+    "netfs-prefetch": (1.00, "network filesystem (--source sshfs), every TP, cold: fastload / the default "
+                             "loader's prefetch strategy"),
 }
 
 
-def parse_targets(spec: str | None) -> dict[str, float]:
-    """``--targets all`` or ``cold-tp1,disk-tp2=0.55``: names from TARGETS, optional own limits."""
+#: Targets that ``--targets all`` means for each source (the others need rows it does not measure).
+SOURCE_TARGETS = {"local": ["cold-tp1", "cold-tp2", "warm-floor", "warm-default", "disk-tp2"],
+                  "sshfs": ["netfs-default", "netfs-prefetch"],
+                  "s3": ["s3-bytes-tp2", "s3-runai-tp2", "s3-runai-tp1", "s3-limit-tp1"]}
+
+
+def parse_targets(spec: str | None, source: str = "local") -> dict[str, float]:
+    """``--targets all`` (this source's targets) or ``cold-tp1,disk-tp2=0.55``: names from TARGETS,
+    optional own limits."""
     if not spec:
         return {}
     out: dict[str, float] = {}
     for item in spec.split(","):
         name, _, value = item.strip().partition("=")
         if name == "all":
-            out.update({n: limit for n, (limit, _) in TARGETS.items()})
+            out.update({n: TARGETS[n][0] for n in SOURCE_TARGETS[source]})
             continue
         if name not in TARGETS:
             raise SystemExit(f"unknown target {name!r}; known: all, {', '.join(TARGETS)}")
@@ -300,6 +421,15 @@ def check_targets(rows: list[dict], targets: dict[str, float], bounds: dict[str,
                 detail += (f"; the disk alone needs {floor:.2f} s for the checkpoint at "
                            f"{bounds['disk_gbps']:.2f} GB/s = {floor / base['seconds_median']:.2f}x default")
             verdict(name, tp, value, limit, detail)
+        elif name in ("netfs-default", "netfs-prefetch"):
+            other = "safetensors" if name == "netfs-default" else "safetensors-prefetch"
+            for tp in sorted({r["tp"] for r in rows if r["loader"] == "fastload"}) or ["tp?"]:
+                fl, base = _row(rows, tp, "cold", "fastload"), _row(rows, tp, "cold", other)
+                value = fl["seconds_median"] / base["seconds_median"] if fl and base else None
+                verdict(name, tp, value, limit, f"fastload / {other}, cold" if value is not None
+                        else "rows not measured")
+        elif name.startswith("s3-"):
+            _s3_verdict(rows, name, limit, verdict)
         elif name == "disk-tp2":
             fls = [r for r in rows if r["tp"] == "tp2" and r["loader"] == "fastload" and "error" not in r]
             value = max(r["disk_read_per_rank"] / r["checkpoint_bytes"] for r in fls) if fls else None
@@ -311,6 +441,22 @@ def check_targets(rows: list[dict], targets: dict[str, float], bounds: dict[str,
             for tp in sorted({r["tp"] for r in rows if r["loader"] == "fastload"}) or ["tp?"]:
                 _warm_verdict(rows, name, tp, limit, verdict)
     return verdicts
+
+
+def _s3_verdict(rows: list[dict], name: str, limit: float, verdict) -> None:
+    tp = "tp" + name[-1]
+    fl = _row(rows, tp, "cold", "fastload")
+    if name == "s3-bytes-tp2":
+        value = fl["served_per_rank"] / fl["checkpoint_bytes"] if fl and "served_per_rank" in fl else None
+        verdict(name, tp, value, limit, "served per rank / checkpoint" if value is not None else "rows not measured")
+    elif name.startswith("s3-runai"):
+        base = _row(rows, tp, "cold", "runai_streamer")
+        value = fl["seconds_median"] / base["seconds_median"] if fl and base else None
+        verdict(name, tp, value, limit, "fastload / runai_streamer" if value is not None else "rows not measured")
+    else:  # s3-limit-tp1
+        gbps = fl.get("server_limit_gbps") if fl else None
+        value = fl["seconds_median"] / (fl["checkpoint_bytes"] / 1e9 / gbps) if gbps else None
+        verdict(name, tp, value, limit, f"server limit {gbps:.3f} GB/s" if value is not None else "rows not measured")
 
 
 def _warm_verdict(rows: list[dict], name: str, tp: str, limit: float, verdict) -> None:
@@ -337,7 +483,7 @@ def print_verdicts(verdicts: list[dict]) -> None:
               f"(limit {v['limit']:g}; {v['detail']})")
 
 
-def chart(rows: list[dict], path: Path) -> None:
+def chart(rows: list[dict], path: Path, title: str = "vLLM load_weights by loader") -> None:
     try:
         import matplotlib
 
@@ -354,6 +500,6 @@ def chart(rows: list[dict], path: Path) -> None:
     ax.bar(range(len(ok)), [r["seconds_median"] for r in ok], color=colors)
     ax.set_xticks(range(len(ok)), labels, rotation=60, ha="right", fontsize=7)
     ax.set_ylabel("load_weights, slowest rank (s, median)")
-    ax.set_title("vLLM load_weights by loader (lower is better)")
+    ax.set_title(f"{title} (lower is better)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -46,6 +46,9 @@ def _timed(cls, out_dir: Path):
         import torch.distributed as dist
 
         rank = dist.get_rank() if dist.is_initialized() else 0
+        endpoints = os.environ.get(ENDPOINTS_ENV)
+        if endpoints:  # this rank's own counting proxy (bench/objstore.py)
+            os.environ["AWS_ENDPOINT_URL"] = endpoints.split(",")[rank]
         _set_cache_state(os.environ.get(CACHE_ENV), model_config, rank)
         if dist.is_initialized():
             dist.barrier()  # no rank starts its clock while another still warms or evicts
@@ -66,6 +69,9 @@ def _timed(cls, out_dir: Path):
     cls.load_weights = load_weights
 
 
+#: Comma-separated endpoint URLs, one per rank: each rank's object store requests go to its own
+#: counting proxy, so the bytes each rank was served are counted on the server side.
+ENDPOINTS_ENV = "FASTLOAD_BENCH_ENDPOINTS"
 #: "warm" or "cold": the page-cache state the benchmark wants at the moment load_weights starts.
 CACHE_ENV = "FASTLOAD_BENCH_CACHE"
 

@@ -46,6 +46,8 @@ PRESETS: dict[str, ModelSpec] = {
     "tiny-gqa1": ModelSpec(kv_heads=1),  # one kv head: replicated across ranks at TP=2
     # TinyLlama's shapes with 16 layers: 1.67 GB in bf16 (the benchmark checkpoint).
     "bench-llama": ModelSpec(hidden=2048, intermediate=5632, layers=16, heads=32, kv_heads=4, vocab=32000),
+    # 0.31 GB: the network-filesystem benchmark (sshfs over loopback reads ~0.1 GB/s).
+    "netfs-llama": ModelSpec(hidden=1024, intermediate=2816, layers=8, heads=16, kv_heads=4, vocab=32000),
 }
 
 _ARCHITECTURES = {

@@ -1,0 +1,60 @@
+"""``vllm-fastload bench --source``: argument parsing, loader selection and the network targets."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_fastload.bench import vllm as bench
+from vllm_fastload.cli import build_parser
+
+
+def test_source_arguments_parse() -> None:
+    args = build_parser().parse_args(["bench", "--source", "sshfs", "--sshfs-options", "max_conns=4", "--tp", "1,2"])
+    assert (args.source, args.sshfs_options, args.cache, args.tp) == ("sshfs", "max_conns=4", None, "1,2")
+    assert build_parser().parse_args(["bench"]).source == "local"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--source", "nfs"])
+
+
+def test_sshfs_measures_fastload_against_default_and_prefetch() -> None:
+    names, _ = bench.select_loaders("sshfs", None)
+    assert names == ["fastload", "safetensors", "safetensors-prefetch"]
+    assert bench.LLM_KWARGS["safetensors-prefetch"] == {"safetensors_load_strategy": "prefetch"}
+    assert bench.SOURCE_CACHE["sshfs"] == "cold"
+    assert bench.select_loaders("sshfs", "fastload,zerofill")[0] == ["fastload", "zerofill (floor)"]
+    with pytest.raises(SystemExit, match="unknown loader"):
+        bench.select_loaders("sshfs", "fastload,prefetch")
+    with pytest.raises(SystemExit, match="needs --source s3"):
+        bench.select_loaders("sshfs", "safetensors+download")
+    local, _ = bench.select_loaders("local", None)  # the local benchmark measures what it always did
+    assert "safetensors" in local and "safetensors+download" not in local and "safetensors-prefetch" not in local
+
+
+def test_vllm_knows_the_prefetch_strategy() -> None:
+    """The spelling the benchmark passes is one vLLM accepts (a rename would fail every prefetch row)."""
+    load = pytest.importorskip("vllm.config.load", reason="vLLM is not installed")
+    assert load.LoadConfig(safetensors_load_strategy="prefetch").safetensors_load_strategy == "prefetch"
+
+
+def _row(tp: str, loader: str, median: float, disk: int = 0) -> dict:
+    return {"tp": tp, "cache": "cold", "loader": loader, "runs": 3, "seconds_median": median,
+            "seconds_min": median, "seconds_max": median, "rchar_per_rank": 0, "disk_read_per_rank": disk,
+            "peak_rss_mb": 1.0, "checkpoint_bytes": 1000}
+
+
+def test_network_targets() -> None:
+    targets = bench.parse_targets("all", "sshfs")
+    assert targets == {"netfs-default": 0.7, "netfs-prefetch": 1.0}
+    targets["disk-tp2"] = 0.56
+    assert "netfs-default" not in bench.parse_targets("all")  # a local run is not judged on them
+    rows = [_row("tp1", "fastload", 2.0), _row("tp1", "safetensors", 4.0), _row("tp1", "safetensors-prefetch", 1.9),
+            _row("tp2", "fastload", 1.0, disk=500), _row("tp2", "safetensors", 1.2),
+            _row("tp2", "safetensors-prefetch", 3.0)]
+    got = {(v["target"], v["tp"]): v for v in bench.check_targets(rows, targets)}
+    assert got[("netfs-default", "tp1")]["ok"] and got[("netfs-default", "tp1")]["value"] == pytest.approx(0.5)
+    assert not got[("netfs-prefetch", "tp1")]["ok"]  # 2.0 s vs 1.9 s: slower than prefetch
+    assert not got[("netfs-default", "tp2")]["ok"] and got[("netfs-prefetch", "tp2")]["ok"]
+    assert got[("disk-tp2", "tp2")]["ok"]
+    missing = bench.check_targets(rows[:1], {"netfs-prefetch": 1.0})
+    assert missing == [{"target": "netfs-prefetch", "tp": "tp1", "value": None, "limit": 1.0, "ok": False,
+                        "detail": "rows not measured"}]

@@ -1,0 +1,117 @@
+"""sshfs for real: the mount helper, the filesystem detection and fastload reading through FUSE."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import vllm_fastload
+from vllm_fastload.bench import netfs
+from vllm_fastload.sources import fstype
+from vllm_fastload.tp_rules import rank_requests
+
+from .conftest import require_sshfs
+
+
+def _expected(local: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for path in sorted(local.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            out.update({name: f.get_tensor(name) for name in f.keys()})
+    return out
+
+
+def _port_open(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def test_mount_serves_the_files_and_is_undone(local_checkpoint: Path, monkeypatch) -> None:
+    require_sshfs()
+    ports = []
+    real = netfs.SshServer.__enter__
+
+    def spy(self):
+        ports.append(self.port)
+        return real(self)
+
+    monkeypatch.setattr(netfs.SshServer, "__enter__", spy)
+    with netfs.sshfs_mount(local_checkpoint) as mnt:
+        assert netfs.is_mounted(mnt)
+        assert fstype.filesystem_type(mnt / "model.safetensors.index.json") == "fuse.sshfs"
+        assert sorted(p.name for p in mnt.iterdir()) == sorted(p.name for p in local_checkpoint.iterdir())
+        for path in local_checkpoint.glob("*.safetensors"):
+            assert (mnt / path.name).read_bytes() == path.read_bytes()
+        assert _port_open(ports[0])
+    assert not netfs.is_mounted(mnt)
+    assert not mnt.exists()  # the temporary directory is gone with the mount point in it
+    assert not _port_open(ports[0])  # sshd stopped
+
+
+def test_mount_is_undone_when_the_body_fails(local_checkpoint: Path) -> None:
+    require_sshfs()
+    with pytest.raises(ZeroDivisionError), netfs.sshfs_mount(local_checkpoint) as mnt:
+        assert netfs.is_mounted(mnt)
+        _ = 1 / 0
+    assert not netfs.is_mounted(mnt)
+
+
+def test_mount_of_a_missing_directory_fails_clearly(tmp_path: Path) -> None:
+    require_sshfs()
+    with pytest.raises(RuntimeError, match="sshfs mount failed"), netfs.sshfs_mount(tmp_path / "nowhere"):
+        pass
+
+
+@pytest.mark.parametrize("direct_io", ["auto", "always", "never"])
+def test_fastload_reads_through_sshfs_bit_exactly(mounted: Path, local_checkpoint: Path, direct_io: str) -> None:
+    """Every tensor equals safetensors on the local files, with O_DIRECT on FUSE and without."""
+    expected = _expected(local_checkpoint)
+    with vllm_fastload.open(mounted, config={"progress": False, "direct_io": direct_io}) as ckpt:
+        got = dict(ckpt.iter_tensors())
+    assert got.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), name
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("strided_min_skip", [None, 0], ids=["network-default", "row-by-row"])
+def test_tp2_slices_through_sshfs_bit_exactly(mounted: Path, local_checkpoint: Path, rank: int,
+                                              strided_min_skip: int | None) -> None:
+    """Each rank's slices equal the local slices: column slices as enclosing rows (the network
+    default) and row by row through FUSE's page cache."""
+    config = {"progress": False}
+    mine = config if strided_min_skip is None else {**config, "strided_min_skip": strided_min_skip}
+    with vllm_fastload.open(local_checkpoint, config=config) as local, \
+            vllm_fastload.open(mounted, config=mine) as remote:
+        requests = rank_requests(remote.checkpoint, 2, rank)
+        assert any(r.dim == 1 for r in requests)  # the row-parallel case is exercised
+        dests = {}
+        for r in requests:
+            ref = local.get_slice(r.name, r.dim, r.start, r.length) if r.dim is not None else local.get_tensor(r.name)
+            dests[r] = torch.empty_like(ref)
+        remote.read_into(dests)
+        for r, dest in dests.items():
+            ref = local.get_slice(r.name, r.dim, r.start, r.length) if r.dim is not None else local.get_tensor(r.name)
+            assert torch.equal(dest, ref), r.result_key
+
+
+def test_network_defaults_apply_only_to_unset_fields(mounted: Path, local_checkpoint: Path) -> None:
+    assert fstype.is_network("fuse.sshfs") and fstype.is_network("nfs4") and not fstype.is_network("ext4")
+    with vllm_fastload.open(mounted, config={"progress": False}) as ckpt:
+        for field, value in fstype.NETWORK_DEFAULTS.items():
+            assert getattr(ckpt.config, field) == value
+    mine = {"progress": False, **{field: 12345 for field in fstype.NETWORK_DEFAULTS}}
+    with vllm_fastload.open(mounted, config=mine) as ckpt:
+        for field in fstype.NETWORK_DEFAULTS:
+            assert getattr(ckpt.config, field) == 12345  # an explicit setting wins
+    with vllm_fastload.open(local_checkpoint, config={"progress": False}) as ckpt:
+        assert not fstype.is_network(fstype.filesystem_type(local_checkpoint))
+        for field in fstype.NETWORK_DEFAULTS:
+            assert field not in ckpt.config.model_fields_set

@@ -1,0 +1,262 @@
+"""An S3-compatible server on loopback for ``vllm-fastload bench --source s3``, and what the
+benchmark measures around it: bytes served per rank, the server's own limit, a download.
+
+The server is the npm package ``s3rver`` (measured ~0.23 GB/s for ranged GETs on a busy 2-core
+machine, where moto serves ~0.03 GB/s), installed into ``.fastload/s3rver`` with
+``npm install --prefix .fastload/s3rver s3rver@3.7.1`` (``ensure_s3rver`` does it where npm is
+available), never globally. Every client reaches it through a ``CountingProxy``: one per TP
+rank (the worker hook points each rank's ``AWS_ENDPOINT_URL`` at its own proxy), so bytes
+served per rank are counted on the server side, not reported by the loader being measured.
+"""
+
+from __future__ import annotations
+
+import http.client
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+HOST = "127.0.0.1"
+BUCKET = "fastload-bench"
+#: s3rver's built-in account.
+ACCESS_KEY_ID = SECRET = "S3RVER"
+S3RVER_VERSION = "3.7.1"
+S3RVER_DIR = Path(".fastload/s3rver")
+_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-connection"}
+
+
+def s3rver_script(prefix: Path = S3RVER_DIR) -> Path | None:
+    script = prefix / "node_modules" / "s3rver" / "bin" / "s3rver.js"
+    return script if script.exists() else None
+
+
+def ensure_s3rver(prefix: Path = S3RVER_DIR) -> Path:
+    """The s3rver entry script, installed with npm into ``prefix`` first if it is not there."""
+    script = s3rver_script(prefix)
+    if script is not None:
+        return script
+    npm, node = shutil.which("npm"), shutil.which("node")
+    if npm is None or node is None:
+        raise RuntimeError("--source s3 needs node and npm (apt-get install nodejs npm) to install s3rver into "
+                           f"{prefix}")
+    prefix.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run([npm, "install", "--no-audit", "--no-fund", "--prefix", str(prefix),
+                           f"s3rver@{S3RVER_VERSION}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    script = s3rver_script(prefix)
+    if proc.returncode != 0 or script is None:
+        raise RuntimeError(f"npm install s3rver@{S3RVER_VERSION} into {prefix} failed:\n{proc.stdout[-2000:]}")
+    return script
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+class S3rver:
+    """``node s3rver.js`` on 127.0.0.1:<free port> with one bucket, data in a temporary directory."""
+
+    def __init__(self, script: Path, startup_timeout_s: float = 30.0) -> None:
+        self.script = script
+        self.port = _free_port()
+        self.url = f"http://{HOST}:{self.port}"
+        self._timeout = startup_timeout_s
+        self._tmp: tempfile.TemporaryDirectory | None = None
+        self._proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> S3rver:
+        self._tmp = tempfile.TemporaryDirectory(prefix="fastload-s3rver-")
+        self._proc = subprocess.Popen(
+            [shutil.which("node") or "node", str(self.script), "-d", self._tmp.name, "-a", HOST, "-p", str(self.port),
+             "--silent", "--configure-bucket", BUCKET], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            start_new_session=True)
+        deadline = time.monotonic() + self._timeout
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                err = self._proc.stderr.read().decode(errors="replace") if self._proc.stderr else ""
+                self.__exit__()
+                raise RuntimeError(f"s3rver exited at start-up: {err.strip()[-1000:]}")
+            try:
+                conn = http.client.HTTPConnection(HOST, self.port, timeout=2)
+                conn.request("HEAD", f"/{BUCKET}")
+                status = conn.getresponse().status
+                conn.close()
+                if status < 500:
+                    return self
+            except OSError:
+                time.sleep(0.1)
+        self.__exit__()
+        raise RuntimeError(f"s3rver did not answer on {self.url} within {self._timeout} s")
+
+    @property
+    def data_dir(self) -> str:
+        assert self._tmp is not None, "s3rver is not running"
+        return self._tmp.name
+
+    def __exit__(self, *exc: object) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+
+class CountingProxy:
+    """A forwarding HTTP/1.1 proxy on 127.0.0.1 that counts the response body bytes it served."""
+
+    def __init__(self, upstream_port: int, name: str = "") -> None:
+        self.name = name
+        self.upstream_port = upstream_port
+        self.bytes = 0
+        self.requests = 0
+        self._lock = threading.Lock()
+        self._server = ThreadingHTTPServer((HOST, 0), self._handler())
+        self._server.daemon_threads = True
+        self.port = self._server.server_address[1]
+        self.url = f"http://{HOST}:{self.port}"
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,), daemon=True,
+                                        name=f"count-proxy-{name}")
+
+    def __enter__(self) -> CountingProxy:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=10)
+
+    def take(self) -> tuple[int, int]:
+        """(body bytes, requests) served since the last call."""
+        with self._lock:
+            out, self.bytes, self.requests = (self.bytes, self.requests), 0, 0
+        return out
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _forward(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
+                conn = getattr(self, "_upstream", None)
+                if conn is None:
+                    conn = self._upstream = http.client.HTTPConnection(HOST, proxy.upstream_port, timeout=120)
+                try:
+                    conn.request(self.command, self.path, body=body, headers=headers)
+                    resp = conn.getresponse()
+                except (OSError, http.client.HTTPException):
+                    conn.close()
+                    self._upstream = None
+                    raise
+                self.send_response(resp.status, resp.reason)
+                streamed = resp.getheader("Content-Length") is not None
+                for key, value in resp.getheaders():
+                    if key.lower() not in _HOP and (streamed or key.lower() != "content-length"):
+                        self.send_header(key, value)
+                sent = 0
+                if streamed:  # forwarded as it arrives, in 1 MiB pieces
+                    self.end_headers()
+                    while self.command != "HEAD" and (piece := resp.read(1 << 20)):
+                        self.wfile.write(piece)
+                        sent += len(piece)
+                    resp.read()  # a HEAD's (empty) body too: the upstream connection is reused
+                else:
+                    data = resp.read()
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    if self.command != "HEAD":
+                        self.wfile.write(data)
+                        sent = len(data)
+                with proxy._lock:
+                    proxy.requests += 1
+                    if self.command == "GET":
+                        proxy.bytes += sent
+
+            do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _forward
+
+        return Handler
+
+
+def s3_env(endpoint: str) -> dict[str, str]:
+    """What fastload (obstore) and vLLM's Run:ai streamer need to reach the server."""
+    return {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": ACCESS_KEY_ID, "AWS_SECRET_ACCESS_KEY": SECRET,
+            "AWS_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true", "AWS_ALLOW_HTTP": "true",
+            "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0"}
+
+
+def _store(endpoint: str, prefix: str = ""):
+    from obstore.store import S3Store
+
+    return S3Store(BUCKET, prefix=prefix or None, endpoint=endpoint, access_key_id=ACCESS_KEY_ID,
+                   secret_access_key=SECRET, region="us-east-1", virtual_hosted_style_request=False,
+                   client_options={"allow_http": True, "timeout": "300s"})
+
+
+def upload(directory: Path, endpoint: str, prefix: str) -> list[str]:
+    """Put every file of ``directory`` under ``prefix/``; the keys of the safetensors files."""
+    import obstore
+
+    store = _store(endpoint)
+    keys = []
+    for path in sorted(directory.iterdir()):
+        if path.is_file() and not path.name.startswith("."):
+            obstore.put(store, f"{prefix}/{path.name}", path.read_bytes())
+            if path.suffix == ".safetensors":
+                keys.append(f"{prefix}/{path.name}")
+    return keys
+
+
+def server_limit_gbps(endpoint: str, sizes: dict[str, int], concurrency: int = 16, piece: int = 8 << 20) -> float:
+    """GB/s of parallel ranged GETs of every object into memory: what the server can serve."""
+    import obstore
+
+    store = _store(endpoint)
+    ranges = [(key, off, min(piece, size - off)) for key, size in sizes.items() for off in range(0, size, piece)]
+
+    def get(item: tuple[str, int, int]) -> int:
+        key, off, n = item
+        return len(obstore.get_range(store, key, start=off, length=n))
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        total = sum(pool.map(get, ranges))
+    return total / (time.perf_counter() - start) / 1e9
+
+
+def download(endpoint: str, prefix: str, dest: Path, concurrency: int = 8) -> float:
+    """Copy every object under ``prefix/`` into ``dest`` (parallel GETs); the seconds it took."""
+    import obstore
+
+    store = _store(endpoint)
+    dest.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    keys = [meta["path"] for batch in obstore.list(store, prefix=prefix) for meta in batch]
+
+    def fetch(key: str) -> None:
+        (dest / key.rsplit("/", 1)[-1]).write_bytes(bytes(obstore.get(store, key).bytes()))
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(fetch, keys))
+    return time.perf_counter() - start
