@@ -1,9 +1,9 @@
 """Fixtures for the network-filesystem tests: a tiny checkpoint served over a real sshfs mount.
 
 The mount needs ``sshd``, ``ssh-keygen``, ``sshfs``, ``fusermount`` and ``/dev/fuse``
-(Debian: ``apt-get install openssh-server sshfs``; ``scripts/setup.sh`` installs them where it
-may run apt). Where one is missing the tests skip and the reason names what is missing and
-how to get it: never a silent skip.
+(Debian: ``apt-get install openssh-server sshfs``; ``scripts/setup-netsources.sh``, run by
+``scripts/test.sh``, installs them where it may run apt). Where one is missing the tests skip
+and the reason names what is missing and how to get it: never a silent skip.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """``bench --source s3`` pieces for real: s3rver on loopback, the counting proxies, the server's
 limit, the timed local copy; and the object-storage targets.
 
-s3rver is an npm package that ``scripts/setup.sh`` installs into ``.fastload/s3rver`` where npm
-exists; without it these tests skip and say how to get it.
+s3rver is an npm package that ``scripts/setup-netsources.sh`` (run by ``scripts/test.sh``)
+installs into ``.fastload/s3rver`` (and nodejs/npm from apt where they are missing and it may);
+without it these tests skip and say how to get it.
 """
 
 from __future__ import annotations

@@ -20,8 +20,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from urllib.parse import unquote, urlsplit
+
+from vllm_fastload.bench.objstore import LoopbackServer
 
 HOST = "127.0.0.1"
 BUCKET = "fastload-test"
@@ -111,7 +113,7 @@ _XML_ERROR = ('<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code
               '<Resource>{path}</Resource><RequestId>fastload-test</RequestId></Error>')
 
 
-class FaultProxy:
+class FaultProxy(LoopbackServer):
     """HTTP/1.1 proxy on 127.0.0.1 in front of ``upstream`` (a loopback URL)."""
 
     def __init__(self, upstream: str) -> None:
@@ -127,22 +129,11 @@ class FaultProxy:
         self.active = 0
         self.max_active = 0
         self._lock = threading.Lock()
-        self._server = ThreadingHTTPServer((HOST, 0), self._handler_class())
-        self._server.daemon_threads = True
-        self.port = self._server.server_address[1]
-        self.url = f"http://{HOST}:{self.port}"
-        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,), name="fault-proxy",
-                                        daemon=True)
-
-    def __enter__(self) -> FaultProxy:
-        self._thread.start()
-        return self
+        super().__init__(self._handler_class(), "fault-proxy")
 
     def __exit__(self, *exc: object) -> None:
         self.release.set()
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=10)
+        super().__exit__(*exc)
 
     def inject(self, mode: str, **kwargs) -> Fault:
         """Add a fault (see ``Fault``); faults are tried in the order they were added."""

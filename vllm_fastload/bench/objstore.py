@@ -23,6 +23,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self from Python 3.11
 
 HOST = "127.0.0.1"
 BUCKET = "fastload-bench"
@@ -116,7 +120,30 @@ class S3rver:
             self._tmp = None
 
 
-class CountingProxy:
+class LoopbackServer:
+    """A threaded HTTP server on 127.0.0.1, serving from a daemon thread while the context is open.
+
+    The base of the benchmark's counting proxy and of the tests' fault-injecting proxy.
+    """
+
+    def __init__(self, handler: type[BaseHTTPRequestHandler], name: str) -> None:
+        self._server = ThreadingHTTPServer((HOST, 0), handler)
+        self._server.daemon_threads = True
+        self.port = self._server.server_address[1]
+        self.url = f"http://{HOST}:{self.port}"
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,), daemon=True, name=name)
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=10)
+
+
+class CountingProxy(LoopbackServer):
     """A forwarding HTTP/1.1 proxy on 127.0.0.1 that counts the response body bytes it served."""
 
     def __init__(self, upstream_port: int, name: str = "") -> None:
@@ -125,21 +152,7 @@ class CountingProxy:
         self.bytes = 0
         self.requests = 0
         self._lock = threading.Lock()
-        self._server = ThreadingHTTPServer((HOST, 0), self._handler())
-        self._server.daemon_threads = True
-        self.port = self._server.server_address[1]
-        self.url = f"http://{HOST}:{self.port}"
-        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,), daemon=True,
-                                        name=f"count-proxy-{name}")
-
-    def __enter__(self) -> CountingProxy:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=10)
+        super().__init__(self._handler(), f"count-proxy-{name}")
 
     def take(self) -> tuple[int, int]:
         """(body bytes, requests) served since the last call."""
