@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import http.client
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from http.server import BaseHTTPRequestHandler
 from urllib.parse import unquote, urlsplit
 
 from vllm_fastload.bench.objstore import LoopbackServer
+from vllm_fastload.tools.processes import stop_process_group
 
 HOST = "127.0.0.1"
 BUCKET = "fastload-test"
@@ -72,14 +72,7 @@ class MotoServer:
 
     def __exit__(self, *exc: object) -> None:
         proc, self._proc = self._proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
+        stop_process_group(proc)  # the server and any children it forked
 
 
 @dataclass

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
@@ -24,6 +23,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from vllm_fastload.tools.processes import stop_process_group
 
 #: Binaries a mount needs, and the Debian package that has each.
 BINARIES = {"sshd": "openssh-server", "ssh-keygen": "openssh-client", "ssh": "openssh-client",
@@ -124,13 +125,7 @@ class SshServer:
 
     def __exit__(self, *exc: object) -> None:
         proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)  # the listener and any per-connection children
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
+        stop_process_group(proc)  # the server and any children it forked
         log = getattr(self, "_log", None)
         if log is not None:
             log.close()

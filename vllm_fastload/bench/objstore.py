@@ -12,9 +12,7 @@ served per rank are counted on the server side, not reported by the loader being
 from __future__ import annotations
 
 import http.client
-import os
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
@@ -24,6 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from vllm_fastload.tools.processes import stop_process_group
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self from Python 3.11
@@ -108,13 +108,7 @@ class S3rver:
 
     def __exit__(self, *exc: object) -> None:
         proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
+        stop_process_group(proc)  # the server and any children it forked
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
