@@ -19,8 +19,10 @@ from dataclasses import dataclass
 import torch
 
 ALLOC_GRANULE = 2 << 20
-#: Rounding used instead of ALLOC_GRANULE when a granule would not fit in the budget.
+#: Rounding used instead of ALLOC_GRANULE when the budget is too small for such granules.
 SMALL_GRANULE = 4096
+#: Buffers the executor holds at once (chunks in flight, the one being delivered, the previous).
+BUFFERS_IN_USE = 5
 
 
 def storage_references(tensor: torch.Tensor) -> int:
@@ -57,9 +59,13 @@ class BufferPool:
         self._lock = threading.Lock()
 
     def _size_for(self, nbytes: int) -> int:
-        """Round to the allocation granule, or to a page where a granule would not fit the budget."""
+        """Round to the allocation granule, or to a page where the granules would crowd the budget.
+
+        The executor keeps several chunks in flight, each in its own buffer: rounding a 256 KiB
+        chunk up to a 2 MiB granule in a 2 MiB budget would leave room for one buffer only.
+        """
         size = _round_up(nbytes)
-        return size if size <= self.budget else _round_up(nbytes, SMALL_GRANULE)
+        return size if size * BUFFERS_IN_USE <= self.budget else _round_up(nbytes, SMALL_GRANULE)
 
     def _reclaim(self) -> None:
         """Move parked buffers whose views are all gone back to the free list (lock held)."""

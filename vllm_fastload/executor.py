@@ -60,6 +60,10 @@ def _after_consumer_work(chunk: Chunk, buf: Buffer | None) -> None:
         torch.cuda.current_stream(target.device).synchronize()
 
 
+def _direct_bytes(chunk: Chunk) -> int:
+    return sum(t.read_bytes for t, _ in chunk.tensors)
+
+
 def _wait_naming_tensors(item: _InFlight) -> None:
     """Wait for a chunk; an I/O error from the reader (which knows only offsets) gets the tensor's name."""
     try:
@@ -95,9 +99,20 @@ class PlanExecutor:
         in_flight: deque[_InFlight] = deque()
         next_index = 0
 
+        def room_for(chunk: Chunk) -> bool:
+            if len(in_flight) < self.max_in_flight:
+                return True
+            # Beyond that, only chunks read straight into the caller's tensors (no buffer), as far
+            # ahead as the reader asks for to keep its threads busy.
+            if self.reader.direct_read_ahead <= 0 or not chunk.direct or not all(
+                    item.chunk.direct for item in in_flight):
+                return False
+            ahead = sum(_direct_bytes(item.chunk) for item in in_flight)
+            return ahead + _direct_bytes(chunk) <= self.reader.direct_read_ahead
+
         def fill() -> None:
             nonlocal next_index
-            while next_index < len(chunks) and len(in_flight) < self.max_in_flight:
+            while next_index < len(chunks) and room_for(chunks[next_index]):
                 chunk = chunks[next_index]
                 buf = None
                 if not chunk.direct:

@@ -77,6 +77,11 @@ class Rows:
         """Bytes the reader moves: the segments, plus the gaps between them if ``gaps``."""
         return self.span if self.gaps else self.seg * self.count
 
+    @property
+    def bytes_per_row(self) -> int:
+        """Bytes the reader moves per row: the stride when reading through the gaps, else the segment."""
+        return self.stride if self.gaps else self.seg
+
     def ranges(self) -> list[tuple[int, int]]:
         """``(file offset, length)`` of each segment, in order."""
         return [(self.offset + i * self.stride, self.seg) for i in range(self.count)]

@@ -25,16 +25,16 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: torch.cuda.is_available() is False"),
 ]
 
-#: Budget >= 4 x read_size, so the cuda backend's pinned staging (at least two slots of
-#: read_size) leaves room for read buffers.
+#: Budget >= 4 x read_size, so the GPU backends' pinned staging (a quarter of the budget, at
+#: least one slot of read_size) leaves room for read buffers.
 GPU_CONFIGS = {
     "small": {"threads": 2, "read_size": 4096, "aggregate_size": 8192, "memory_budget": 65536},
     "strided": {"threads": 4, "read_size": 4096, "aggregate_size": 16384, "memory_budget": 1 << 20,
                 "strided_min_skip": 0},
     "enclosing": {"threads": 1, "read_size": 4096, "aggregate_size": 16384, "memory_budget": 1 << 20,
                   "strided_min_skip": 1 << 40},
-    # The smallest budget the cuda backend accepts: two 4 KiB pinned slots plus two 4 KiB
-    # chunk buffers. Every chunk holds one small tensor; anything bigger takes the oversize path.
+    # A tiny budget: one 4 KiB pinned slot (its quarter) and three 4 KiB chunk buffers. Every
+    # chunk holds one small tensor; anything bigger takes the oversize path.
     "tiny": {"threads": 2, "read_size": 4096, "aggregate_size": 4096, "memory_budget": 16384},
     # Chunks of three pages: tensors straddle chunk and read boundaries, reads split over threads.
     "split": {"threads": 3, "read_size": 4096, "aggregate_size": 12288, "memory_budget": 65536},

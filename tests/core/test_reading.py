@@ -393,3 +393,38 @@ def test_enclosing_views_are_strided_but_exact(fused):
         owned = ckpt.get_slice(name, 1, 8, 16)
         assert owned.is_contiguous()
         assert_bitexact(owned, w[:, 8:24])
+
+
+@pytest.mark.parametrize("ahead", [0, 6 * 4096], ids=["three-chunks", "reader-asks-more"])
+def test_reads_into_destinations_queue_as_far_ahead_as_the_reader_asks(tmp_path: Path, monkeypatch, ahead: int):
+    """Three chunks in flight, or more where they need no buffer and the reader asks for more
+    (the GPU readers: their threads outnumber the pieces of three chunks)."""
+    from vllm_fastload.readers import host
+
+    tensors = {f"model.layers.{i}.w": random_tensor((1024,), torch.float32, i) for i in range(12)}
+    save(tmp_path / "m.safetensors", tensors)
+    monkeypatch.setattr(host.HostReader, "direct_read_ahead", property(lambda self: ahead))
+    with open_ckpt(tmp_path, {"aggregate_size": 4096, "read_size": 4096, "threads": 2}) as ckpt:
+        reader, depth, most = ckpt.reader, [0], [0]
+        submit = reader.submit
+
+        def counting(sf, calls):
+            pending = submit(sf, calls)
+            depth[0] += 1
+            most[0] = max(most[0], depth[0])
+            wait = pending.wait
+
+            def waited():
+                wait()
+                depth[0] -= 1
+
+            pending.wait = waited
+            return pending
+
+        reader.submit = counting
+        dests = {name: torch.empty(1024) for name in tensors}
+        ckpt.read_into(dests)
+    for name, want in tensors.items():
+        assert_bitexact(dests[name], want, name)
+    # Each 4 KiB tensor is a chunk: three in flight, or 6 x 4 KiB queued beyond them.
+    assert most[0] == (3 if not ahead else 6)

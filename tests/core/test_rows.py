@@ -86,6 +86,32 @@ def test_short_reads_are_completed(wide, monkeypatch, config: dict):
         assert_bitexact(ckpt.get_tensor(NAME), w)
 
 
+@pytest.mark.parametrize("cached", [True, False], ids=["cached", "not-cached"])
+def test_cached_rows_are_read_through_small_gaps(wide, monkeypatch, cached: bool):
+    """From the page cache a plan's row-by-row slice is read through its gaps (a ``preadv`` per
+    batch of rows); off the cache row by row, so the disk reads only the rank's own pages."""
+    path, w = wide
+    real, reads = os.preadv, []
+
+    def counting(fd, buffers, offset, *flags):
+        if not flags:  # not the page cache probe
+            reads.append(len(buffers))
+        return real(fd, buffers, offset, *flags)
+
+    with open_ckpt(path, dict(ROW_BY_ROW, threads=1)) as ckpt:
+        assert ckpt.plan([TensorRequest(NAME, 1, 3, 50)]).tensors[0].rows.gaps is False
+        monkeypatch.setattr(host, "_cached", lambda fd, offsets: cached)
+        monkeypatch.setattr(os, "preadv", counting)
+        dest = torch.empty(ROWS, 50, dtype=torch.bfloat16)
+        ckpt.read_into({TensorRequest(NAME, 1, 3, 50): dest})
+    assert_bitexact(dest, w[:, 3:53])
+    per_call = base.IOV_MAX // 2   # rows per preadv: a segment and a gap each, the last gap left out
+    if cached:
+        assert len(reads) == -(-ROWS // per_call) and max(reads) == 2 * per_call - 1
+    else:  # a call per row (and O_DIRECT's one-time probe of the descriptor)
+        assert len(reads) >= ROWS and set(reads) == {1}
+
+
 @pytest.mark.parametrize("config", [ROW_BY_ROW, THROUGH_GAPS])
 def test_truncated_file_fails_inside_a_rows_read(tmp_path: Path, config: dict):
     w = random_tensor((ROWS, 96), torch.bfloat16, 3)
@@ -128,9 +154,9 @@ def test_cache_probe_and_advice(tmp_path: Path, monkeypatch):
     try:
         os.pread(fd, 1 << 20, 0)                       # just written and read: cached
         calls = [(8, 4096, torch.empty(4096, dtype=torch.uint8))]
-        assert host._cached_calls(fd, calls) is hasattr(os, "RWF_NOWAIT")
+        assert host.cached_calls(fd, calls) is hasattr(os, "RWF_NOWAIT")
         monkeypatch.setattr(host, "_cached", lambda fd, offsets: False)
-        assert host._cached_calls(fd, calls) is False
+        assert host.cached_calls(fd, calls) is False
         host.advise(fd, calls)
         assert advised == [(8, 4096)]
         page = mmap.PAGESIZE
@@ -156,11 +182,11 @@ def test_copies_from_the_page_cache_use_no_more_threads_than_cpus(wide, monkeypa
         names: set[str] = set()
         real = host._read_batch
 
-        def spy(*args):
+        def spy(*args, **kw):
             import threading
 
             names.add(threading.current_thread().name)
-            return real(*args)
+            return real(*args, **kw)
 
         monkeypatch.setattr(host, "_read_batch", spy)
         assert_bitexact(ckpt.get_tensor(NAME), w)
@@ -171,3 +197,65 @@ def test_copies_from_the_page_cache_use_no_more_threads_than_cpus(wide, monkeypa
         names.clear()
         assert_bitexact(ckpt.get_tensor(NAME), w)
         assert all(n.startswith("fastload-host") for n in names)
+
+
+@pytest.mark.parametrize("gaps", [False, True], ids=["row-by-row", "through-gaps"])
+def test_gpu_staging_packs_rows_and_ranges_into_a_slot(wide, gaps: bool):
+    """The GPU readers' pinned staging, on a CPU slot (the copy to the device needs a GPU, see
+    test_gpu.py): a batch of ranges and rows lands packed, each where ``fill_slot`` says."""
+    from vllm_fastload.readers.staging import fill_slot
+
+    path, w = wide
+    raw = w.view(torch.uint8).reshape(ROWS, 192)
+    with open_ckpt(path, {}) as ckpt:
+        sf = next(iter(ckpt.checkpoint.files.values()))
+        start = ckpt.info(NAME).start
+        rows = Rows(start + 10 * 192 + 64, 32, 192, 700, gaps)   # rows 10..709, bytes 64..95
+        batch = [(start, 100, "head"), (rows, "rows"), (start + 192, 8, "tail")]
+        slot = torch.zeros(100 + 700 * 32 + 8, dtype=torch.uint8)
+        placed = fill_slot(sf, memoryview(slot.numpy()), batch, read_size=64)
+    assert placed == [(0, 100, "head"), (100, 700 * 32, "rows"), (100 + 700 * 32, 8, "tail")]
+    assert torch.equal(slot[:100], raw.flatten()[:100])
+    assert torch.equal(slot[100:100 + 700 * 32].reshape(700, 32), raw[10:710, 64:96])
+    assert torch.equal(slot[-8:], raw[1, :8])
+
+
+def test_rows_longer_than_a_piece_are_split_like_ranges(wide):
+    """Bounded tasks (a GPU staging slot) never hold more than a piece: rows wider than the
+    piece go as plain ranges, split into pieces. Unbounded, they stay rows, one per task."""
+    path, _ = wide
+    with open_ckpt(path, ROW_BY_ROW) as ckpt:
+        reader = ckpt.reader
+        assert reader.reads_rows
+        rows = Rows(1000, 5000, 9000, 3)
+        dest = torch.empty(3 * 5000, dtype=torch.uint8)
+        unbounded = reader.batches([(rows, dest)], 4096)
+        assert [[call[0] for call in task] for task in unbounded] == [[rows.split(i, 1)] for i in range(3)]
+        tasks = reader.batches([(rows, dest)], 4096, bounded=True)
+        calls = [call for task in tasks for call in task]
+        assert all(not isinstance(call[0], Rows) and call[1] <= 4096 for call in calls)
+        assert [(o, n) for o, n, _ in calls] == [(1000, 4096), (5096, 904), (10000, 4096), (14096, 904),
+                                                  (19000, 4096), (23096, 904)]
+
+
+def test_gpu_staging_error_keeps_no_destination_alive(tmp_path: Path):
+    """A failed slot fill raises ReadError naming the file, and the error's traceback holds no
+    view of the destinations (the buffer pool would take a held buffer for a caller's)."""
+    from vllm_fastload.buffers import storage_references
+    from vllm_fastload.readers.staging import fill_slot
+
+    w = random_tensor((ROWS, 96), torch.bfloat16, 5)
+    path = save(tmp_path / "m.safetensors", {NAME: w})
+    with open_ckpt(path, {"check_file_changes": False}) as ckpt:
+        sf = next(iter(ckpt.checkpoint.files.values()))
+        start = ckpt.info(NAME).start
+        os.truncate(path, start + 100 * 192)
+        buffer = torch.empty(32 * ROWS, dtype=torch.uint8)
+        baseline = storage_references(buffer)
+        batch = [(start, 4096, buffer[:4096]), (Rows(start + 64, 32, 192, ROWS), buffer[:32 * ROWS])]
+        slot = torch.zeros(4096 + 32 * ROWS, dtype=torch.uint8)
+        with pytest.raises(ReadError) as info:
+            fill_slot(sf, memoryview(slot.numpy()), batch)
+        batch.clear()
+        assert str(path) in str(info.value) and "end of file" in str(info.value)
+        assert storage_references(buffer) == baseline

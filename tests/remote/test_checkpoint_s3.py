@@ -143,16 +143,21 @@ def test_cli_plan_on_a_uri(s3, capsys) -> None:
 
 
 def test_cuda_staging_fills_slots_from_objects(s3, local_checkpoint) -> None:
-    """The cuda reader's staging step, on a CPU slot (the copy to the device needs a GPU)."""
-    from vllm_fastload.readers.cuda import _fill_slot
+    """The GPU readers' staging step, on a CPU slot (the copy to the device needs a GPU): ranges
+    and rows land packed in the slot, each at the offset it reports."""
+    from vllm_fastload.plan import Rows
+    from vllm_fastload.readers.staging import fill_slot
 
     want = (local_checkpoint / SHARD2).read_bytes()
     ckpt = Checkpoint.discover(s3.uri(), remote=FAST)
     try:
         sf = ckpt.files[s3.uri(SHARD2)]
-        batch = [(100, 50, None), (4000, 300, None), (sf.source.size - 10, 10, None)]
+        rows = Rows(2000, 16, 100, 5)
+        batch = [(100, 50, "a"), (4000, 300, "b"), (rows, "rows"), (sf.source.size - 10, 10, "c")]
         slot = torch.zeros(4096, dtype=torch.uint8)
-        _fill_slot(sf, slot, batch)
-        assert bytes(slot[:360].numpy()) == want[100:150] + want[4000:4300] + want[-10:]
+        placed = fill_slot(sf, memoryview(slot.numpy()), batch)
+        assert placed == [(0, 50, "a"), (50, 300, "b"), (350, 80, "rows"), (430, 10, "c")]
+        packed = b"".join(want[2000 + i * 100:2016 + i * 100] for i in range(5))
+        assert bytes(slot[:440].numpy()) == want[100:150] + want[4000:4300] + packed + want[-10:]
     finally:
         ckpt.close()

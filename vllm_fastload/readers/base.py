@@ -28,6 +28,13 @@ class Pending:
         self._futures = list(futures)
         self._on_done = on_done
 
+    def wait_quietly(self) -> None:
+        """Wait for every read and drop their errors: for cleaning up after another error."""
+        try:
+            self.wait()
+        except BaseException:
+            pass
+
     def wait(self) -> None:
         """Wait for every read, even after one failed, then raise the first error.
 
@@ -73,6 +80,12 @@ class Reader(ABC):
         """Memory the reader itself holds (e.g. pinned staging), counted against the budget."""
         return 0
 
+    @property
+    def direct_read_ahead(self) -> int:
+        """Bytes of reads into the caller's own tensors worth queueing beyond the executor's
+        three chunks in flight (0: three chunks keep this reader's threads busy)."""
+        return 0
+
     @abstractmethod
     def allocate(self, nbytes: int) -> torch.Tensor:
         """A uint8 buffer of at least ``nbytes`` on ``self.device``, ready to be filled."""
@@ -86,12 +99,15 @@ class Reader(ABC):
             self._pool = ThreadPoolExecutor(self.config.threads, thread_name_prefix=f"fastload-{self.name}")
         return self._pool
 
-    def batches(self, calls: Sequence[ReadCall | RowsCall], piece: int) -> list[list[ReadCall | RowsCall]]:
+    def batches(self, calls: Sequence[ReadCall | RowsCall], piece: int,
+                bounded: bool = False) -> list[list[ReadCall | RowsCall]]:
         """Split big calls into ``piece``-sized reads and group small ones, ~``piece`` bytes per task.
 
         Big reads are split so all threads work on them; tiny strided segments are grouped
         so a task is not scheduled per 2 KiB read. Rows are split into runs of whole rows
-        (or into single rows for readers without ``reads_rows``).
+        (or into single rows for readers without ``reads_rows``). ``bounded``: no task may
+        hold more than ``piece`` bytes (a staging slot), so rows wider than a piece are read
+        like long ranges, in pieces.
         """
         tasks: list[list[ReadCall | RowsCall]] = []
         current: list[ReadCall | RowsCall] = []
@@ -106,9 +122,9 @@ class Reader(ABC):
             filled += nbytes
 
         for call in calls:
-            if isinstance(call[0], Rows) and self.reads_rows:
+            if isinstance(call[0], Rows) and self.reads_rows and not (bounded and call[0].bytes_per_row > piece):
                 rows, dest = call
-                per = max(1, piece // (rows.stride if rows.gaps else rows.seg))
+                per = max(1, piece // rows.bytes_per_row)
                 for first in range(0, rows.count, per):
                     part = rows.split(first, min(per, rows.count - first))
                     add((part, dest[first * rows.seg:(first + part.count) * rows.seg]), part.read_bytes)

@@ -5,6 +5,12 @@ cuFile, which cost seconds to initialise and cannot even read into host memory w
 libcuda. Files are opened (and registered with cuFile) on first use only, and only the
 CUDA device we load onto is made current, so no context appears on other GPUs.
 kvikio handles unaligned offsets itself (with a bounce buffer), so any plan works.
+
+Slices along a later dim (``Rows``: thousands of 4-28 KiB segments for a TP rank's row-parallel
+weights) do not go to cuFile, which costs tens of microseconds a call and moves whole pages:
+they are read packed into pinned slots and copied once per batch (``staging``), so the rank
+reads its own bytes and not the other ranks' (from the page cache, small gaps are read
+through; see ``host.read_rows``).
 """
 
 from __future__ import annotations
@@ -17,7 +23,9 @@ import torch
 from vllm_fastload.config import FastloadConfig
 from vllm_fastload.errors import ReadError
 from vllm_fastload.format import SafetensorsFile
+from vllm_fastload.plan import Rows
 from vllm_fastload.readers.base import Pending, ReadCall, Reader, RowsCall
+from vllm_fastload.readers.staging import PinnedStaging
 
 
 def import_kvikio():
@@ -76,8 +84,7 @@ def gds_available() -> bool:
 
 class KvikioReader(Reader):
     name = "kvikio"
-    #: A cuFile call costs tens of microseconds: skip more per row before reading row by row.
-    default_strided_min_skip = 64 << 10
+    reads_rows = True  # through the pinned staging, not cuFile
 
     def __init__(self, config: FastloadConfig, device: torch.device) -> None:
         super().__init__(config, device)
@@ -96,6 +103,15 @@ class KvikioReader(Reader):
         except Exception:
             pass
         self._files: dict[str, object] = {}
+        self.staging = PinnedStaging(config, device)
+
+    @property
+    def staging_bytes(self) -> int:
+        return self.staging.staging_bytes
+
+    @property
+    def direct_read_ahead(self) -> int:
+        return self.staging.read_ahead
 
     def allocate(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
@@ -109,17 +125,25 @@ class KvikioReader(Reader):
     def submit(self, sf: SafetensorsFile, calls: Sequence[ReadCall | RowsCall]) -> Pending:
         if sf.fd is None:
             raise ReadError("backend 'kvikio' reads local files only; use backend 'cuda' for objects", file=sf.path)
+        rows = [call for call in calls if isinstance(call[0], Rows)]
+        plain = [call for call in calls if not isinstance(call[0], Rows)]
         handle = self._cufile(sf.path)
-        futures = []
-        for offset, length, dest in self.plain_calls(calls):
-            futures.append(_IOFuture(handle.pread(dest, length, offset), sf.path, offset, length))
-        return Pending(futures)
+        staged = self.staging.start(self, sf, rows) if rows else []
+        futures: list[Future] = []
+        try:
+            for offset, length, dest in plain:
+                futures.append(_IOFuture(handle.pread(dest, length, offset), sf.path, offset, length))
+        except BaseException:
+            Pending(futures + staged).wait_quietly()  # nothing may still write once the error is out
+            raise
+        return Pending(futures + staged)
 
     def close(self) -> None:
         for handle in self._files.values():
             handle.close()
         self._files.clear()
         super().close()
+        self.staging.close()
 
 
 class _IOFuture(Future):
