@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
 import traceback
@@ -162,6 +163,41 @@ def build_quantized(name: str, root: Path) -> Path:
     return out
 
 
+#: Quantized checkpoints whose tensors do not match their quantization config -> (the zoo
+#: checkpoint they are derived from, what is wrong). fastload must stop each with a clear error.
+MISMATCHED: dict[str, tuple[str, str]] = {
+    "llama-int8-config-bf16-weights": ("llama", "the int8 W8A8 config over the unquantized bf16 weights"),
+    "llama-w8a8-int8-no-scales": ("llama-w8a8-int8", "the int8 W8A8 checkpoint without its weight_scale tensors"),
+}
+
+
+def build_mismatched(name: str, root: Path) -> Path:
+    """A checkpoint from ``MISMATCHED``: its config promises tensors it does not have."""
+    from safetensors.torch import load_file, save_file
+
+    base_name, _ = MISMATCHED[name]
+    out = root / name
+    if (out / "config.json").exists():
+        return out
+    tmp = root / f".{name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(build(base_name, root), tmp)
+    if base_name in QUANTIZED:  # drop the scales, from the shards and from the index
+        index = json.loads((tmp / "model.safetensors.index.json").read_text())
+        for shard in sorted(tmp.glob("*.safetensors")):
+            kept = {k: t for k, t in load_file(shard).items() if not k.endswith("weight_scale")}
+            save_file(kept, shard, metadata={"format": "pt"})
+        index["weight_map"] = {k: f for k, f in index["weight_map"].items() if not k.endswith("weight_scale")}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index))
+    else:  # the quantized sibling's config over these plain weights
+        config = json.loads((tmp / "config.json").read_text())
+        quantized = build_quantized("llama-w8a8-int8", root)
+        config["quantization_config"] = json.loads((quantized / "config.json").read_text())["quantization_config"]
+        (tmp / "config.json").write_text(json.dumps(config, indent=1))
+    tmp.rename(out)
+    return out
+
+
 def _pack_int4(prefix: str, w) -> dict:
     """compressed-tensors pack-quantized: signed int4 values + 8, eight per int32 along the input
     dim (lowest nibble first), ``weight_scale`` (out, in / GROUP), ``weight_shape`` [out, in]."""
@@ -300,6 +336,8 @@ def describe(family: str) -> str:
 
 def build(name: str, root: Path) -> Path:
     """A zoo checkpoint, plain or quantized, built once below ``root``."""
+    if name in MISMATCHED:
+        return build_mismatched(name, root)
     return build_quantized(name, root) if name in QUANTIZED else build_family(name, root)
 
 

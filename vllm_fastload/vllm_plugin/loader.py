@@ -178,15 +178,24 @@ class FastloadModelLoader(BaseModelLoader):
 
     def _check_complete(self, model: nn.Module, model_config: ModelConfig, loaded: set[str] | None,
                         path: str) -> None:
-        """The default loader's strict check: every parameter must come from the checkpoint."""
-        if loaded is None or model_config.quantization is not None:
+        """The default loader's strict check: every parameter must come from the checkpoint.
+
+        vLLM runs it only for unquantized models; fastload runs its quantized form too (every
+        parameter except those a checkpoint cannot carry), so that a quantized checkpoint
+        missing e.g. its ``weight_scale`` tensors stops the load instead of leaving uninitialised
+        scales (vLLM's default loader loads such a checkpoint without a word).
+        """
+        if loaded is None:
             return
         from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
+        quantized = model_config.quantization is not None
         try:
-            DefaultModelLoader.track_weights_loading(self, model, set(loaded), quantized=False)
+            DefaultModelLoader.track_weights_loading(self, model, set(loaded), quantized=quantized)
         except ValueError as exc:
-            raise CheckpointError(f"checkpoint does not provide every parameter of the model: {exc}",
+            hint = (f"; the checkpoint's tensors do not match its quantization config ({model_config.quantization})"
+                    if quantized else "")
+            raise CheckpointError(f"checkpoint does not provide every parameter of the model: {exc}{hint}",
                                   file=path) from None
 
 
