@@ -8,38 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
-
-from vllm_fastload.config import FastloadConfig
 from vllm_fastload.format import SafetensorsFile
-from vllm_fastload.readers.base import Pending, ReadCall, Reader, RowsCall
-from vllm_fastload.readers.staging import PinnedStaging
+from vllm_fastload.readers.base import Pending, ReadCall, RowsCall
+from vllm_fastload.readers.staging import StagedReader
 
 
-class CudaReader(Reader):
+class CudaReader(StagedReader):
     name = "cuda"
-    reads_rows = True
-
-    def __init__(self, config: FastloadConfig, device: torch.device) -> None:
-        super().__init__(config, device)
-        if device.type != "cuda":
-            raise ValueError(f"the cuda backend needs a CUDA device, got {device}")
-        self.staging = PinnedStaging(config, device)
-
-    @property
-    def staging_bytes(self) -> int:
-        return self.staging.staging_bytes
-
-    @property
-    def direct_read_ahead(self) -> int:
-        return self.staging.read_ahead
-
-    def allocate(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def submit(self, sf: SafetensorsFile, calls: Sequence[ReadCall | RowsCall]) -> Pending:
         return Pending(self.staging.start(self, sf, calls))
-
-    def close(self) -> None:
-        super().close()
-        self.staging.close()

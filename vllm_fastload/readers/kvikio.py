@@ -24,8 +24,8 @@ from vllm_fastload.config import FastloadConfig
 from vllm_fastload.errors import ReadError
 from vllm_fastload.format import SafetensorsFile
 from vllm_fastload.plan import Rows
-from vllm_fastload.readers.base import Pending, ReadCall, Reader, RowsCall
-from vllm_fastload.readers.staging import PinnedStaging
+from vllm_fastload.readers.base import Pending, ReadCall, RowsCall
+from vllm_fastload.readers.staging import StagedReader
 
 
 def import_kvikio():
@@ -82,14 +82,13 @@ def gds_available() -> bool:
     return bool(gds_status()["active"])
 
 
-class KvikioReader(Reader):
+class KvikioReader(StagedReader):
+    """cuFile reads of whole ranges; row slices through the pinned staging, not cuFile."""
+
     name = "kvikio"
-    reads_rows = True  # through the pinned staging, not cuFile
 
     def __init__(self, config: FastloadConfig, device: torch.device) -> None:
         super().__init__(config, device)
-        if device.type != "cuda":
-            raise ValueError(f"the kvikio backend needs a CUDA device, got {device}")
         self._kvikio = import_kvikio()
         torch.cuda.set_device(device)
         defaults = self._kvikio.defaults
@@ -103,18 +102,6 @@ class KvikioReader(Reader):
         except Exception:
             pass
         self._files: dict[str, object] = {}
-        self.staging = PinnedStaging(config, device)
-
-    @property
-    def staging_bytes(self) -> int:
-        return self.staging.staging_bytes
-
-    @property
-    def direct_read_ahead(self) -> int:
-        return self.staging.read_ahead
-
-    def allocate(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def _cufile(self, path: str):
         handle = self._files.get(path)
@@ -143,7 +130,6 @@ class KvikioReader(Reader):
             handle.close()
         self._files.clear()
         super().close()
-        self.staging.close()
 
 
 class _IOFuture(Future):

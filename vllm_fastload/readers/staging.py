@@ -32,6 +32,34 @@ from vllm_fastload.readers.host import advise_rows, cached_calls, read_rows
 MIN_SLOT = 16 << 20
 
 
+class StagedReader(Reader):
+    """A reader onto a CUDA device whose reads, or some of them, go through ``PinnedStaging``:
+    the device check, the staging's share of the budget and its read-ahead, device buffers."""
+
+    reads_rows = True  # rows are packed into the slots
+
+    def __init__(self, config: FastloadConfig, device: torch.device) -> None:
+        super().__init__(config, device)
+        if device.type != "cuda":
+            raise ValueError(f"the {self.name} backend needs a CUDA device, got {device}")
+        self.staging = PinnedStaging(config, device)
+
+    @property
+    def staging_bytes(self) -> int:
+        return self.staging.staging_bytes
+
+    @property
+    def direct_read_ahead(self) -> int:
+        return self.staging.read_ahead
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def close(self) -> None:
+        super().close()
+        self.staging.close()
+
+
 class PinnedStaging:
     """A ring of pinned slots and the per-thread streams that empty them onto ``device``.
 
