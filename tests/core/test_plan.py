@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from vllm_fastload import TensorRequest
 from vllm_fastload.layers import EMBEDDINGS, FINAL, LAYER, LayerKey, layer_key
-from vllm_fastload.plan import BUFFER_ALIGN, Plan
+from vllm_fastload.plan import BUFFER_ALIGN, Plan, Rows
 from vllm_fastload.tools.checkpoints import PRESETS, tensor_shapes, write_checkpoint
 
 from ._util import assert_bitexact, open_ckpt, random_tensor, save
@@ -75,6 +75,24 @@ def test_dim1_slice_follows_the_cost_rule(one_file, skip: int, strategy: str):
         ((_, view),) = [(k, v.clone()) for k, v in ckpt.iter_tensors([req])]
         assert_bitexact(view, tensors[info_name][:, 4:12])
         assert ckpt.last_stats.bytes_read == t.read_bytes
+
+
+@given(offset=st.integers(0, 1 << 40), seg=st.integers(1, 1 << 20), gap=st.integers(0, 1 << 20),
+       count=st.integers(0, 50), index=st.integers(-60, 60), start=st.integers(-60, 60),
+       stop=st.integers(-60, 60), step=st.sampled_from([1, 2, 3, -1]))
+@settings(max_examples=200, deadline=None)
+def test_row_ranges_are_the_list_they_stand_for(offset, seg, gap, count, index, start, stop, step):
+    """A plan keeps a slice's segments as a lazy sequence: it must behave as the list it replaces."""
+    rows = Rows(offset, seg, seg + gap, count)
+    lazy, listed = rows.ranges(), [(offset + i * (seg + gap), seg) for i in range(count)]
+    assert len(lazy) == len(listed) and list(lazy) == listed and lazy == listed and bool(lazy) == bool(listed)
+    assert lazy[start:stop:step] == listed[start:stop:step]
+    if -count <= index < count:
+        assert lazy[index] == listed[index]
+    else:
+        with pytest.raises(IndexError):
+            lazy[index]
+    assert lazy != [*listed, (0, 1)] and lazy != "not ranges"
 
 
 def test_default_cost_rule_comes_from_the_backend(one_file):

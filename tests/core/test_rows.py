@@ -1,5 +1,6 @@
-"""Slices along a later dim read as rows: row by row, or through the gaps in batched ``preadv``
-calls; short reads, truncation, and the host reader's memory and cache advice."""
+"""Slices along a later dim read as rows: row by row, through the gaps in batched ``preadv``
+calls, or copied out of a mapping from the page cache; short reads, truncation, and the host
+reader's memory and cache advice."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from vllm_fastload import TensorRequest
 from vllm_fastload.errors import ReadError
 from vllm_fastload.plan import Rows
-from vllm_fastload.readers import base, host, memory
+from vllm_fastload.readers import base, host, mapped, memory
 
 from ._util import assert_bitexact, open_ckpt, random_tensor, save
 
@@ -87,35 +88,67 @@ def test_short_reads_are_completed(wide, monkeypatch, config: dict):
 
 
 @pytest.mark.parametrize("cached", [True, False], ids=["cached", "not-cached"])
-def test_cached_rows_are_read_through_small_gaps(wide, monkeypatch, cached: bool):
-    """From the page cache a plan's row-by-row slice is read through its gaps (a ``preadv`` per
-    batch of rows); off the cache row by row, so the disk reads only the rank's own pages."""
+@pytest.mark.parametrize("config", [ROW_BY_ROW, THROUGH_GAPS])
+def test_cached_rows_are_copied_out_of_a_mapping(wide, monkeypatch, cached: bool, config: dict):
+    """From the page cache a slice is one strided copy out of a mapping per batch of rows, with no
+    read calls at all; off the cache the plan's reads (row by row, or through the gaps), so the
+    disk gets only the rank's own pages."""
     path, w = wide
-    real, reads = os.preadv, []
+    real, reads, copies = os.preadv, [], []
+    real_copy = mapped.copy_rows
 
     def counting(fd, buffers, offset, *flags):
         if not flags:  # not the page cache probe
             reads.append(len(buffers))
         return real(fd, buffers, offset, *flags)
 
-    with open_ckpt(path, dict(ROW_BY_ROW, threads=1)) as ckpt:
-        assert ckpt.plan([TensorRequest(NAME, 1, 3, 50)]).tensors[0].rows.gaps is False
+    def copying(fd, rows, view):
+        copies.append(rows)
+        return real_copy(fd, rows, view)
+
+    with open_ckpt(path, dict(config, threads=1)) as ckpt:
+        planned = ckpt.plan([TensorRequest(NAME, 1, 3, 50)]).tensors[0]
+        assert planned.rows.gaps is (config is THROUGH_GAPS)
         monkeypatch.setattr(host, "_cached", lambda fd, offsets: cached)
         monkeypatch.setattr(os, "preadv", counting)
+        monkeypatch.setattr(mapped, "copy_rows", copying)
         dest = torch.empty(ROWS, 50, dtype=torch.bfloat16)
         ckpt.read_into({TensorRequest(NAME, 1, 3, 50): dest})
     assert_bitexact(dest, w[:, 3:53])
-    per_call = base.IOV_MAX // 2   # rows per preadv: a segment and a gap each, the last gap left out
     if cached:
-        assert len(reads) == -(-ROWS // per_call) and max(reads) == 2 * per_call - 1
+        assert reads == [] and sum(r.count for r in copies) == ROWS
+        assert all(r.offset % mmap.PAGESIZE for r in copies)  # the header puts rows off the page grid
+    elif config is THROUGH_GAPS:
+        per_call = base.IOV_MAX // 2   # rows per preadv: a segment and a gap each, the last gap left out
+        batched = [n for n in reads if n > 1]  # not O_DIRECT's one-time probe of the descriptor
+        assert copies == [] and len(batched) == -(-ROWS // per_call) and max(batched) == 2 * per_call - 1
+        assert len(reads) - len(batched) <= 1
     else:  # a call per row (and O_DIRECT's one-time probe of the descriptor)
-        assert len(reads) >= ROWS and set(reads) == {1}
+        assert copies == [] and len(reads) >= ROWS and set(reads) == {1}
 
 
+def test_rows_are_read_where_the_file_cannot_be_mapped(wide, monkeypatch):
+    """A file system that refuses mappings (some FUSE mounts) gets the reads instead."""
+    path, w = wide
+
+    def refuse(*args, **kwargs):
+        raise OSError(19, "No such device")
+
+    monkeypatch.setattr(host, "_cached", lambda fd, offsets: True)
+    monkeypatch.setattr(mapped.mmap, "mmap", refuse)
+    with open_ckpt(path, dict(ROW_BY_ROW, threads=2)) as ckpt:
+        dest = torch.empty(ROWS, 50, dtype=torch.bfloat16)
+        ckpt.read_into({TensorRequest(NAME, 1, 3, 50): dest})
+    assert_bitexact(dest, w[:, 3:53])
+
+
+@pytest.mark.parametrize("cached", [True, False], ids=["cached", "not-cached"])
 @pytest.mark.parametrize("config", [ROW_BY_ROW, THROUGH_GAPS])
-def test_truncated_file_fails_inside_a_rows_read(tmp_path: Path, config: dict):
+def test_truncated_file_fails_inside_a_rows_read(tmp_path: Path, monkeypatch, config: dict, cached: bool):
+    """A clear error, also from the page cache, where a mapped page past the end would be SIGBUS."""
     w = random_tensor((ROWS, 96), torch.bfloat16, 3)
     path = save(tmp_path / "m.safetensors", {NAME: w})
+    monkeypatch.setattr(host, "_cached", lambda fd, offsets: cached)
     with open_ckpt(path, dict(config, check_file_changes=False)) as ckpt:
         cut = ckpt.info(NAME).start + 100 * 192   # row 100 is the last one left
         os.truncate(path, cut)

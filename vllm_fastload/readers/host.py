@@ -1,7 +1,8 @@
 """``host``: threaded reads straight into host memory (the GIL is released during reads).
 
 Each chunk goes one of two ways, decided by a cheap probe of the page cache:
-- cached: ``preadv`` copies out of the page cache, on no more threads than CPUs (it is CPU work);
+- cached: ``preadv`` copies out of the page cache (row slices: a strided copy out of a mapping of
+  the file, see ``mapped``), on no more threads than CPUs (it is CPU work);
 - not cached: ``O_DIRECT`` reads into reused per-thread buffers and one copy into the
   destination (see ``direct``), on every thread (they wait on the disk). Where O_DIRECT does
   not work, buffered reads with ``POSIX_FADV_WILLNEED`` advice instead.
@@ -25,7 +26,7 @@ import torch
 from vllm_fastload.config import FastloadConfig, usable_cpus
 from vllm_fastload.format import SafetensorsFile
 from vllm_fastload.plan import Rows
-from vllm_fastload.readers import direct, pagecache
+from vllm_fastload.readers import direct, mapped, pagecache
 from vllm_fastload.readers.base import IOV_MAX, Pending, ReadCall, Reader, RowsCall, pread_into, preadv_into
 from vllm_fastload.readers.memory import populate
 from vllm_fastload.readers.remote import submit_to_source
@@ -287,20 +288,17 @@ def advise_rows(fd: int, rows: Rows) -> None:
 
 #: Gaps up to this size are read into a scratch buffer rather than skipped with a call per row.
 MAX_GAP = 1 << 20
-#: From the page cache, gaps up to this size are read through even where the plan skips them: a
-#: call per row (~3 us, plus the GIL) costs more than copying this many bytes into the scratch,
-#: and the disk is not involved. On an H200 host a warm TP=2 rank-1 load with 65536 row segments
-#: (4 and 14 KiB gaps) took 0.64 s row by row, 0.25 s through the gaps.
-CACHED_GAP = 32 << 10
 _scratch = threading.local()
 
 
 def read_rows(fd: int, path: str, rows: Rows, view: memoryview, cached: bool = False) -> None:
-    """Read ``rows`` packed into ``view``: through the gaps (one ``preadv`` per batch of rows) where
-    the plan says so, or where ``cached`` and the gaps are small; else a call per row."""
+    """Read ``rows`` packed into ``view``: where ``cached``, copied out of a mapping of the file
+    (``mapped.copy_rows``); else through the gaps (one ``preadv`` per batch of rows) where the
+    plan says so, or with a call per row."""
+    if cached and rows.count > 1 and mapped.copy_rows(fd, rows, view):
+        return
     seg, stride, gap = rows.seg, rows.stride, rows.stride - rows.seg
-    through = rows.gaps or (cached and gap <= CACHED_GAP)
-    if through and rows.count > 1 and gap <= MAX_GAP:
+    if rows.gaps and rows.count > 1 and gap <= MAX_GAP:
         # One preadv per batch of rows; every gap lands in the same scratch buffer.
         sink = getattr(_scratch, "sink", None)
         if sink is None or len(sink) < gap:

@@ -9,8 +9,8 @@ kvikio handles unaligned offsets itself (with a bounce buffer), so any plan work
 Slices along a later dim (``Rows``: thousands of 4-28 KiB segments for a TP rank's row-parallel
 weights) do not go to cuFile, which costs tens of microseconds a call and moves whole pages:
 they are read packed into pinned slots and copied once per batch (``staging``), so the rank
-reads its own bytes and not the other ranks' (from the page cache, small gaps are read
-through; see ``host.read_rows``).
+reads its own bytes and not the other ranks' (from the page cache by a strided copy out of a
+mapping of the file; see ``mapped``).
 """
 
 from __future__ import annotations

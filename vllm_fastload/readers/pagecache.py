@@ -12,11 +12,10 @@ with ``RWF_NOWAIT`` instead.
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import mmap
 import os
 from collections.abc import Sequence
-
-from vllm_fastload.readers.memory import _load_libc
 
 PAGE = mmap.PAGESIZE
 _MAP_FAILED = ctypes.c_void_p(-1).value
@@ -42,28 +41,48 @@ def _may_ask_mincore(fd: int) -> bool:
 
 
 def _mincore(fd: int, offsets: Sequence[int]) -> bool | None:
-    """``mincore`` of a one-page shared mapping at each offset; None if the file cannot be mapped."""
-    libc = _load_libc()
+    """``mincore`` over one shared mapping of the pages holding the offsets; None if the file
+    cannot be mapped. The calls keep the GIL (each takes microseconds): giving it up and taking
+    it back behind busy reader threads can cost the loading thread milliseconds per call."""
+    libc = _libc_keeping_gil()
     if libc is None:
         return None
-    if getattr(libc.mmap, "restype", None) is not ctypes.c_void_p:
-        libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_long]
-        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    vec = ctypes.c_ubyte(0)
-    for offset in offsets:
-        address = libc.mmap(None, PAGE, mmap.PROT_READ, mmap.MAP_SHARED, fd, offset - offset % PAGE)
-        if address is None or address == _MAP_FAILED:
-            return None
-        try:
-            if libc.mincore(address, PAGE, ctypes.byref(vec)) != 0:
+    lo = min(offsets) - min(offsets) % PAGE
+    length = max(offsets) - lo + 1
+    address = libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, lo)
+    if address is None or address == _MAP_FAILED:
+        return None
+    try:
+        vec = ctypes.c_ubyte(0)
+        for offset in offsets:
+            page = address + (offset - lo) - (offset - lo) % PAGE
+            if libc.mincore(page, PAGE, ctypes.byref(vec)) != 0:
                 return None
-        finally:
-            libc.munmap(address, PAGE)
-        if not vec.value & 1:
-            return False
-    return True
+            if not vec.value & 1:
+                return False
+        return True
+    finally:
+        libc.munmap(address, length)
+
+
+_libc = None
+
+
+def _libc_keeping_gil():
+    """libc through ``ctypes.PyDLL``, whose calls do not release the GIL; None where unavailable."""
+    global _libc
+    if _libc is None:
+        try:
+            lib = ctypes.PyDLL(ctypes.util.find_library("c") or None, use_errno=True)
+            lib.mmap.restype = ctypes.c_void_p
+            lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                 ctypes.c_long]
+            lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+            lib.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+            _libc = lib
+        except (OSError, AttributeError):
+            _libc = False
+    return _libc or None
 
 
 def _nowait(fd: int, offsets: Sequence[int]) -> bool:

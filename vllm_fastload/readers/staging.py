@@ -163,10 +163,10 @@ def fill_slot(sf: SafetensorsFile, slot: memoryview, batch: Sequence[ReadCall | 
               cached: bool = False, read_size: int = 1 << 62) -> list[tuple[int, int, torch.Tensor]]:
     """Read a batch packed into ``slot``; return ``(slot offset, length, destination)`` per call.
 
-    A local file is read with ``pread`` calls of at most ``read_size``; rows with a call per row,
-    or one ``preadv`` per batch of rows through the gaps where the plan says so or the file is
-    ``cached`` (see ``host.read_rows``). An object gets one submission to its source, rows as one
-    range per row (neighbouring ranges share a GET).
+    A local file is read with ``pread`` calls of at most ``read_size``; rows copied out of a
+    mapping where the file is ``cached``, else with a call per row, or one ``preadv`` per batch of
+    rows through the gaps where the plan says so (see ``host.read_rows``). An object gets one
+    submission to its source, rows as one range per row (neighbouring ranges share a GET).
     """
     placed, ranges, used = [], [], 0
     try:

@@ -1,0 +1,58 @@
+"""Row slices copied out of a shared mapping of the file, for slices already in the page cache.
+
+A strided copy out of a mapping moves only the rank's own bytes and costs no Python per row. On an
+H200 host, the 16 row-parallel slices of a warm TP=2 rank-1 load (0.60 GB of 8 Llama-3-8B layers)
+took 0.043 s this way. Read through their gaps, with one ``preadv`` per batch of rows, they took
+0.098 s: that moves the other rank's half too and builds two iovecs per row. With a call per row
+they took 0.46 s. The whole rank-1 load went from 1.04x to 0.67x the time of a full (TP=1) load.
+
+Only for cached pages: page faults on a cold mapping read the disk a few pages at a time, without
+the advice the row-by-row path gives it.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+import numpy as np
+
+from vllm_fastload.plan import Rows
+
+
+def copy_rows(fd: int, rows: Rows, view: memoryview) -> bool:
+    """Copy ``rows`` packed into ``view`` out of a read-only mapping of ``fd``.
+
+    Returns False, having copied nothing, where the file cannot be mapped or ends before the
+    slice: the caller then reads it, and those reads report a short file as a clear error, where
+    touching a mapped page past the end would kill the process with ``SIGBUS``. (A file cut short
+    during the copy itself still would, as it would for safetensors' own mapped loading;
+    ``check_file_changes`` catches a file changed between chunks.)
+    """
+    start = rows.offset - rows.offset % mmap.ALLOCATIONGRANULARITY
+    end = rows.offset + rows.span
+    try:
+        if os.fstat(fd).st_size < end:
+            return False
+        mapping = mmap.mmap(fd, end - start, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=start)
+    except (OSError, ValueError):
+        return False
+    try:
+        _strided_copy(mapping, rows.offset - start, rows, view)
+    finally:
+        mapping.close()
+    return True
+
+
+def _strided_copy(mapping: mmap.mmap, first: int, rows: Rows, view: memoryview) -> None:
+    source = packed = None
+    try:
+        whole = np.frombuffer(mapping, dtype=np.uint8, count=rows.span, offset=first)
+        source = np.lib.stride_tricks.as_strided(whole, shape=(rows.count, rows.seg),
+                                                 strides=(rows.stride, 1), writeable=False)
+        whole = None
+        packed = np.frombuffer(view, dtype=np.uint8, count=rows.count * rows.seg).reshape(rows.count, rows.seg)
+        np.copyto(packed, source)  # numpy releases the GIL for the copy
+    finally:
+        # No array may still view the mapping when it closes, not even from an error's traceback.
+        whole = source = packed = None
