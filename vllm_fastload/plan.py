@@ -18,6 +18,7 @@ in order. Nothing here touches the disk beyond the already-parsed headers.
 from __future__ import annotations
 
 import math
+import operator
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -111,6 +112,7 @@ class RowRanges(Sequence[tuple[int, int]]):
     def __getitem__(self, index):  # type: ignore[override]
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
+        index = operator.index(index)
         if index < 0:
             index += len(self)
         if not 0 <= index < len(self):

@@ -85,7 +85,8 @@ def test_row_ranges_are_the_list_they_stand_for(offset, seg, gap, count, index, 
     """A plan keeps a slice's segments as a lazy sequence: it must behave as the list it replaces."""
     rows = Rows(offset, seg, seg + gap, count)
     lazy, listed = rows.ranges(), [(offset + i * (seg + gap), seg) for i in range(count)]
-    assert len(lazy) == len(listed) and list(lazy) == listed and lazy == listed and bool(lazy) == bool(listed)
+    assert len(lazy) == len(listed) and list(lazy) == listed and bool(lazy) == bool(listed)
+    assert lazy == listed and listed == lazy
     assert lazy[start:stop:step] == listed[start:stop:step]
     if -count <= index < count:
         assert lazy[index] == listed[index]
@@ -93,6 +94,8 @@ def test_row_ranges_are_the_list_they_stand_for(offset, seg, gap, count, index, 
         with pytest.raises(IndexError):
             lazy[index]
     assert lazy != [*listed, (0, 1)] and lazy != "not ranges"
+    with pytest.raises(TypeError):
+        lazy[1.0]
 
 
 def test_default_cost_rule_comes_from_the_backend(one_file):

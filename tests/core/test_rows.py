@@ -102,9 +102,9 @@ def test_cached_rows_are_copied_out_of_a_mapping(wide, monkeypatch, cached: bool
             reads.append(len(buffers))
         return real(fd, buffers, offset, *flags)
 
-    def copying(fd, rows, view):
+    def copying(fd, path, rows, view):
         copies.append(rows)
-        return real_copy(fd, rows, view)
+        return real_copy(fd, path, rows, view)
 
     with open_ckpt(path, dict(config, threads=1)) as ckpt:
         planned = ckpt.plan([TensorRequest(NAME, 1, 3, 50)]).tensors[0]
@@ -127,19 +127,51 @@ def test_cached_rows_are_copied_out_of_a_mapping(wide, monkeypatch, cached: bool
         assert copies == [] and len(reads) >= ROWS and set(reads) == {1}
 
 
-def test_rows_are_read_where_the_file_cannot_be_mapped(wide, monkeypatch):
-    """A file system that refuses mappings (some FUSE mounts) gets the reads instead."""
-    path, w = wide
+def _spy_on_copies(monkeypatch) -> list[bool]:
+    """What each ``mapped.copy_rows`` call returned (False: the caller read the rows instead)."""
+    answers, real = [], mapped.copy_rows
 
-    def refuse(*args, **kwargs):
-        raise OSError(19, "No such device")
+    def spy(*args):
+        answers.append(real(*args))
+        return answers[-1]
+
+    monkeypatch.setattr(mapped, "copy_rows", spy)
+    return answers
+
+
+@pytest.mark.parametrize("refusal", ["mmap fails", "network filesystem"])
+def test_rows_are_read_where_the_file_is_not_mapped(wide, monkeypatch, refusal: str):
+    """A filesystem that refuses mappings (some FUSE mounts), or one across a network (where an I/O
+    error under a mapped copy would be SIGBUS, not an error), gets reads: through the gaps from the
+    page cache, as before mappings."""
+    path, w = wide
+    if refusal == "mmap fails":
+        def refuse(*args, **kwargs):
+            raise OSError(19, "No such device")
+
+        monkeypatch.setattr(mapped.mmap, "mmap", refuse)
+    else:
+        monkeypatch.setattr(mapped, "filesystem_type", lambda p: "fuse.sshfs")
+        mapped._local.cache_clear()
+    answers = _spy_on_copies(monkeypatch)
+    real, reads = os.preadv, []
+
+    def counting(fd, buffers, offset, *flags):
+        if not flags:
+            reads.append(len(buffers))
+        return real(fd, buffers, offset, *flags)
 
     monkeypatch.setattr(host, "_cached", lambda fd, offsets: True)
-    monkeypatch.setattr(mapped.mmap, "mmap", refuse)
-    with open_ckpt(path, dict(ROW_BY_ROW, threads=2)) as ckpt:
-        dest = torch.empty(ROWS, 50, dtype=torch.bfloat16)
-        ckpt.read_into({TensorRequest(NAME, 1, 3, 50): dest})
+    monkeypatch.setattr(os, "preadv", counting)
+    try:
+        with open_ckpt(path, dict(ROW_BY_ROW, threads=2)) as ckpt:
+            dest = torch.empty(ROWS, 50, dtype=torch.bfloat16)
+            ckpt.read_into({TensorRequest(NAME, 1, 3, 50): dest})
+    finally:
+        mapped._local.cache_clear()
     assert_bitexact(dest, w[:, 3:53])
+    assert answers and not any(answers)
+    assert max(reads) == 2 * (base.IOV_MAX // 2) - 1  # through the gaps, 512 rows a call
 
 
 @pytest.mark.parametrize("cached", [True, False], ids=["cached", "not-cached"])
@@ -149,6 +181,15 @@ def test_truncated_file_fails_inside_a_rows_read(tmp_path: Path, monkeypatch, co
     w = random_tensor((ROWS, 96), torch.bfloat16, 3)
     path = save(tmp_path / "m.safetensors", {NAME: w})
     monkeypatch.setattr(host, "_cached", lambda fd, offsets: cached)
+    answers = _spy_on_copies(monkeypatch)
+    mapping, real_mmap = [], mmap.mmap
+
+    def mapping_spy(fileno, *args, **kwargs):
+        if fileno != -1:  # not the reader's own anonymous buffers
+            mapping.append(fileno)
+        return real_mmap(fileno, *args, **kwargs)
+
+    monkeypatch.setattr(mapped.mmap, "mmap", mapping_spy)
     with open_ckpt(path, dict(config, check_file_changes=False)) as ckpt:
         cut = ckpt.info(NAME).start + 100 * 192   # row 100 is the last one left
         os.truncate(path, cut)
@@ -156,6 +197,8 @@ def test_truncated_file_fails_inside_a_rows_read(tmp_path: Path, monkeypatch, co
             ckpt.read_into({TensorRequest(NAME, 1, 8, 8): torch.empty(ROWS, 8, dtype=torch.bfloat16)})
     message = str(info.value)
     assert str(path) in message and repr(NAME) in message and "end of file" in message
+    # From the page cache the size check refused the mapping before any was made.
+    assert (answers == [False] and mapping == []) if cached else answers == []
 
 
 def test_populate_faults_in_fresh_memory_once():

@@ -6,29 +6,36 @@ took 0.043 s this way. Read through their gaps, with one ``preadv`` per batch of
 0.098 s: that moves the other rank's half too and builds two iovecs per row. With a call per row
 they took 0.46 s. The whole rank-1 load went from 1.04x to 0.67x the time of a full (TP=1) load.
 
-Only for cached pages: page faults on a cold mapping read the disk a few pages at a time, without
-the advice the row-by-row path gives it.
+Only for cached pages (page faults on a cold mapping read the disk a few pages at a time, without
+the advice the row-by-row path gives it), and only on local filesystems: where the bytes cross a
+network, an I/O error or a change on the server under a mapped copy is ``SIGBUS``, which ends the
+process, where a read would raise an error naming the file.
 """
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 
 import numpy as np
 
 from vllm_fastload.plan import Rows
+from vllm_fastload.sources.fstype import filesystem_type, is_network
 
 
-def copy_rows(fd: int, rows: Rows, view: memoryview) -> bool:
-    """Copy ``rows`` packed into ``view`` out of a read-only mapping of ``fd``.
+def copy_rows(fd: int, path: str, rows: Rows, view: memoryview) -> bool:
+    """Copy ``rows`` packed into ``view`` out of a read-only mapping of ``fd`` (the file at ``path``).
 
-    Returns False, having copied nothing, where the file cannot be mapped or ends before the
-    slice: the caller then reads it, and those reads report a short file as a clear error, where
-    touching a mapped page past the end would kill the process with ``SIGBUS``. (A file cut short
-    during the copy itself still would, as it would for safetensors' own mapped loading;
-    ``check_file_changes`` catches a file changed between chunks.)
+    Returns False, having copied nothing, where the file is on a network filesystem, cannot be
+    mapped or ends before the slice: the caller then reads it, and those reads report a short file
+    as a clear error, where touching a mapped page past the end would kill the process with
+    ``SIGBUS``. (A local file cut short, or a disk failing, during the copy itself still would, as
+    it would for safetensors' own mapped loading, vLLM's default; ``check_file_changes`` catches a
+    file changed between chunks.)
     """
+    if not _local(path):
+        return False
     start = rows.offset - rows.offset % mmap.ALLOCATIONGRANULARITY
     end = rows.offset + rows.span
     try:
@@ -38,10 +45,21 @@ def copy_rows(fd: int, rows: Rows, view: memoryview) -> bool:
     except (OSError, ValueError):
         return False
     try:
+        try:
+            # A page the probe took for cached but is not gets read alone, without read-around
+            # pulling in the other ranks' bytes around it.
+            mapping.madvise(mmap.MADV_RANDOM)
+        except (OSError, AttributeError):
+            pass
         _strided_copy(mapping, rows.offset - start, rows, view)
     finally:
         mapping.close()
     return True
+
+
+@functools.lru_cache(maxsize=256)
+def _local(path: str) -> bool:
+    return not is_network(filesystem_type(path))
 
 
 def _strided_copy(mapping: mmap.mmap, first: int, rows: Rows, view: memoryview) -> None:

@@ -12,10 +12,11 @@ with ``RWF_NOWAIT`` instead.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import mmap
 import os
 from collections.abc import Sequence
+
+from vllm_fastload.readers.memory import _load_libc
 
 PAGE = mmap.PAGESIZE
 _MAP_FAILED = ctypes.c_void_p(-1).value
@@ -44,6 +45,8 @@ def _mincore(fd: int, offsets: Sequence[int]) -> bool | None:
     """``mincore`` over one shared mapping of the pages holding the offsets; None if the file
     cannot be mapped. The calls keep the GIL (each takes microseconds): giving it up and taking
     it back behind busy reader threads can cost the loading thread milliseconds per call."""
+    if not offsets:
+        return True
     libc = _libc_keeping_gil()
     if libc is None:
         return None
@@ -72,16 +75,19 @@ def _libc_keeping_gil():
     """libc through ``ctypes.PyDLL``, whose calls do not release the GIL; None where unavailable."""
     global _libc
     if _libc is None:
-        try:
-            lib = ctypes.PyDLL(ctypes.util.find_library("c") or None, use_errno=True)
-            lib.mmap.restype = ctypes.c_void_p
-            lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                                 ctypes.c_long]
-            lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-            lib.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-            _libc = lib
-        except (OSError, AttributeError):
-            _libc = False
+        _libc = False
+        plain = _load_libc()  # the same library, found once
+        if plain is not None:
+            try:
+                lib = ctypes.PyDLL(plain._name)
+                lib.mmap.restype = ctypes.c_void_p
+                lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                     ctypes.c_long]
+                lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+                lib.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+                _libc = lib
+            except (OSError, AttributeError):
+                pass
     return _libc or None
 
 
