@@ -191,12 +191,13 @@ class PlanExecutor:
         self.stats.oversize_tensors += len(chunk.tensors)
         return self.pool.allocate_oversize(chunk.nbytes)
 
-    def _submit(self, chunk: Chunk, buf: Buffer | None, prepared: list | None) -> Pending:
+    def _submit(self, chunk: Chunk, buf: Buffer | None, direct_calls: list | None) -> Pending:
+        """Start a chunk's reads: ``direct_calls`` (made by ``_direct_calls``) for a direct chunk,
+        else one call per op into ``buf``."""
         sf = self.checkpoint.files[chunk.file]
-        calls: list = []
         if chunk.direct:
-            calls = prepared if prepared is not None else _direct_calls(chunk)
-            self.stats.bytes_read += sum(t.read_bytes for t, _ in chunk.tensors)
+            calls = direct_calls
+            self.stats.bytes_read += _direct_bytes(chunk)
         else:
             calls = [(op.file_offset, op.length, buf.tensor[op.buf_offset:op.buf_offset + op.length])
                      for op in chunk.ops]
