@@ -67,6 +67,8 @@ class Rows:
     stride: int
     count: int
     gaps: bool = False
+    #: Bytes from the start of each row to the segment (where in the row this slice begins).
+    lead: int = 0
 
     @property
     def span(self) -> int:
@@ -89,7 +91,7 @@ class Rows:
 
     def split(self, first: int, count: int) -> Rows:
         """Rows ``[first, first + count)`` of this slice."""
-        return Rows(self.offset + first * self.stride, self.seg, self.stride, count, self.gaps)
+        return Rows(self.offset + first * self.stride, self.seg, self.stride, count, self.gaps, self.lead)
 
 
 class RowRanges(Sequence[tuple[int, int]]):
@@ -284,17 +286,18 @@ def plan_tensor(info: TensorInfo, request: TensorRequest, strided_min_skip: int)
             file=info.file, tensor=name)
     seg = length * inner_bits // 8
     row = size * inner_bits // 8
-    first = info.start + start * inner_bits // 8
+    lead = start * inner_bits // 8
+    first = info.start + lead
     needed = outer * seg
     if outer == 1 or seg == row or needed == 0:
         # One contiguous range: dim 0, a full-size slice, or everything before `dim` is 1.
         ranges = [(first, needed)] if needed else []
         return PlannedTensor(request, info, out_shape, "contiguous", ranges, needed, layer)
     if row - seg >= strided_min_skip:
-        rows = Rows(first, seg, row, outer)
+        rows = Rows(first, seg, row, outer, lead=lead)
         return PlannedTensor(request, info, out_shape, "strided", rows.ranges(), needed, layer, rows=rows)
     # Read from the first needed byte to the last and view it with the original strides.
-    rows = Rows(first, seg, row, outer, gaps=True)
+    rows = Rows(first, seg, row, outer, gaps=True, lead=lead)
     strides = tuple(math.prod(shape[d + 1:]) for d in range(ndim))
     return PlannedTensor(request, info, out_shape, "enclosing", [(first, rows.span)], needed, layer,
                          view_strides=strides, rows=rows)

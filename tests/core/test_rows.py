@@ -40,7 +40,7 @@ def test_rows_land_exactly_in_the_destination(wide, config: dict, strategy: str,
         req = TensorRequest(NAME, 1, 40, 32)
         planned = ckpt.plan([req]).tensors[0]
         assert planned.strategy == strategy
-        assert planned.rows == Rows(info.start + 80, 64, 192, ROWS, gaps=strategy == "enclosing")
+        assert planned.rows == Rows(info.start + 80, 64, 192, ROWS, gaps=strategy == "enclosing", lead=80)
         dest = torch.empty(ROWS, 32, dtype=torch.bfloat16)
         stats = ckpt.read_into({req: dest})
         assert_bitexact(dest, w[:, 40:72])

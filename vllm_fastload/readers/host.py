@@ -26,7 +26,7 @@ import torch
 from vllm_fastload.config import FastloadConfig, usable_cpus
 from vllm_fastload.format import SafetensorsFile
 from vllm_fastload.plan import Rows
-from vllm_fastload.readers import direct, mapped, pagecache
+from vllm_fastload.readers import direct, mapped, pagecache, row_pages
 from vllm_fastload.readers.base import IOV_MAX, Pending, ReadCall, Reader, RowsCall, pread_into, preadv_into
 from vllm_fastload.readers.memory import populate
 from vllm_fastload.readers.remote import submit_to_source
@@ -97,7 +97,7 @@ class HostReader(Reader):
             if rows:
                 self._no_readahead(sf.fd)
             for r in rows:
-                advise_rows(sf.fd, r)  # now, so the disk works ahead of the threads
+                advise_rows(sf.fd, r, ahead=True)  # now, so the disk works ahead of the threads
             dfd, align = opened
             pool, task = self.threads(), functools.partial(_read_batch_direct, dfd, align, self.bounce_size)
         futures = [pool.submit(task, sf.fd, sf.path, batch) for batch in self.batches(calls, self.config.read_size)]
@@ -265,24 +265,19 @@ def _read_batch_direct(dfd: int, align: int, bounce_size: int, fd: int, path: st
         call = None
 
 
-def advise_rows(fd: int, rows: Rows) -> None:
+def advise_rows(fd: int, rows: Rows, ahead: bool = False) -> None:
     """``WILLNEED`` for the pages that hold the segments (runs of touching pages merged), so the
-    disk reads those pages and neither the gaps' whole pages nor read-ahead past the slice."""
-    if rows.gaps or not hasattr(os, "posix_fadvise"):
-        spans = [(rows.offset, rows.span)]
-    else:
-        spans = []
-        page = mmap.PAGESIZE
-        for offset, length in rows.ranges():
-            lo, hi = offset - offset % page, -(-(offset + length) // page) * page
-            if spans and lo <= spans[-1][0] + spans[-1][1]:
-                spans[-1] = (spans[-1][0], hi - spans[-1][0])
-            else:
-                spans.append((lo, hi - lo))
-    for offset, length in spans:
+    disk reads those pages and neither the gaps' whole pages nor read-ahead past the slice.
+
+    ``ahead`` (advice given when the chunk is submitted): only the pages this rank owns, so that
+    ranks reading other parts of the same rows split the shared pages' disk reads (see
+    ``row_pages``); right before the read, the advice for all its pages fetches what is left."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    for offset, length in (row_pages.owned_spans(rows) if ahead else row_pages.touched_spans(rows)):
         try:
             os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
-        except (OSError, AttributeError):
+        except OSError:
             return  # advice only
 
 
@@ -304,6 +299,8 @@ def read_rows(fd: int, path: str, rows: Rows, view: memoryview, cached: bool = F
     rows) where the plan says so, else with a call per row."""
     if cached and rows.count > 1 and mapped.copy_rows(fd, path, rows, view):
         return
+    if not cached:
+        advise_rows(fd, rows)  # what other ranks have not fetched yet (see ``row_pages``)
     seg, stride, gap = rows.seg, rows.stride, rows.stride - rows.seg
     through = rows.gaps or (cached and gap <= CACHED_GAP)
     if through and rows.count > 1 and gap <= MAX_GAP:

@@ -103,7 +103,7 @@ class PinnedStaging:
         if rows and sf.fd is not None:
             cached = cached_calls(sf.fd, calls)
             for r in rows if not cached else ():
-                advise_rows(sf.fd, r)  # the disk works ahead of the row-by-row reads
+                advise_rows(sf.fd, r, ahead=True)  # the disk works ahead of the row-by-row reads
         pool = reader.threads()
         return [pool.submit(self._stage, sf, batch, cached)
                 for batch in reader.batches(calls, self.slot_size, bounded=True)]
