@@ -99,6 +99,13 @@ class FastloadConfig(BaseSettings):
         "auto", description="host backend: O_DIRECT for contiguous ranges not in the page cache "
         "('auto'), for every contiguous range ('always'), or never (buffered reads with read-ahead "
         "advice). Where a filesystem refuses O_DIRECT, fastload reads through the page cache.")
+    plan_per_rank: bool = Field(True, description="vLLM loader: learn the model's own sharding and read "
+                                "only this rank's bytes straight into the parameters. false: read every "
+                                "tensor whole and hand it to the model's load_weights, as vLLM's default "
+                                "loader does (an escape hatch; each rank then reads the whole checkpoint).")
+    map_cached: bool = Field(True, description="host backend: iter_tensors hands out tensors already in "
+                             "the page cache of a local file as views of a private mapping of the file "
+                             "(as safetensors' safe_open does) instead of copying them into read buffers.")
     hugepages: bool = Field(True, description="Ask for transparent huge pages on host buffers "
                             "(fresh memory is ~6x faster to fill that way).")
     remote: RemoteConfig = Field(default_factory=RemoteConfig, description="Object store settings for "

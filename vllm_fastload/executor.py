@@ -22,7 +22,7 @@ from vllm_fastload.events import LoadProgress
 from vllm_fastload.format import Checkpoint
 from vllm_fastload.plan import Chunk, Plan, PlannedTensor
 from vllm_fastload.readers import Pending, Reader
-from vllm_fastload.tensors import byte_view, view_tensor
+from vllm_fastload.tensors import byte_view, torch_dtype, view_tensor
 
 logger = logging.getLogger("vllm_fastload")
 
@@ -32,6 +32,9 @@ class _InFlight:
     chunk: Chunk
     buffer: Buffer | None
     pending: Pending
+    #: Where the chunk is delivered as views of a mapping (see ``_mapped``): its bytes, and the
+    #: file offset of the first.
+    mapped: tuple[torch.Tensor, int] | None = None
 
 
 @dataclass
@@ -83,6 +86,19 @@ def _direct_bytes(chunk: Chunk) -> int:
     return sum(t.read_bytes for t, _ in chunk.tensors)
 
 
+def _mapped(reader: Reader, sf, chunk: Chunk) -> tuple[torch.Tensor, int] | None:
+    """The chunk's bytes where a buffered chunk can be handed out as views of the page cache
+    instead of read into a buffer (the reader says its ranges are cached, in a mappable local
+    file); None to read it. Each tensor must be one aligned range of the file: row slices read
+    segment by segment are not laid out in the file as the caller sees them."""
+    ranges = []
+    for t, _ in chunk.tensors:
+        if len(t.ranges) != 1 or t.ranges[0][0] % torch_dtype(t).itemsize:
+            return None
+        ranges.append(t.ranges[0])
+    return reader.mapped(sf, ranges)
+
+
 def _wait_naming_tensors(item: _InFlight) -> None:
     """Wait for a chunk; an I/O error from the reader (which knows only offsets) gets the tensor's name."""
     try:
@@ -111,7 +127,8 @@ class PlanExecutor:
         """Yield ``(planned tensor, tensor)`` in plan order.
 
         For buffered chunks the tensor is a view into a pool buffer: valid as long as the
-        caller holds it, never overwritten while held (see ``buffers``). For direct chunks it
+        caller holds it, never overwritten while held (see ``buffers``); or, where the chunk is in
+        the page cache of a local file, a view of a private mapping of the file (copy-on-write). For direct chunks it
         is the caller's own destination, already filled.
         """
         chunks = plan.chunks
@@ -138,6 +155,13 @@ class PlanExecutor:
             while next_index < len(chunks) and room_for(chunks[next_index]):
                 chunk = chunks[next_index]
                 buf = None
+                window = None if chunk.direct else _mapped(self.reader, self.checkpoint.files[chunk.file], chunk)
+                if window is not None:
+                    in_flight.append(_InFlight(chunk, None, Pending([]), window))
+                    self.stats.bytes_read += sum(t.read_bytes for t, _ in chunk.tensors)
+                    self.stats.chunks += 1
+                    next_index += 1
+                    continue
                 if not chunk.direct:
                     buf = self.pool.try_acquire(chunk.nbytes)
                     if buf is None:
@@ -210,6 +234,10 @@ class PlanExecutor:
             self.stats.tensors += 1
             if item.chunk.direct:
                 yield t, t.dest
+            elif item.mapped is not None:
+                window, first = item.mapped
+                offset = t.ranges[0][0] - first
+                yield t, view_tensor(window[offset:offset + t.read_bytes], t)
             else:
                 yield t, view_tensor(item.buffer.tensor[pos:pos + t.read_bytes], t)
 

@@ -34,9 +34,10 @@ QUIET = {"progress": False}
 
 #: Reader configurations the properties run under.
 CONFIGS: dict[str, dict] = {
-    # Tiny buffers: many chunks, reads split into 4 KiB calls, pool reuse, the oversize path.
+    # Tiny buffers: many chunks, reads split into 4 KiB calls, pool reuse, the oversize path
+    # (cached tensors read into buffers too, not handed out as views of a mapping).
     "tiny": {"progress": False, "threads": 2, "read_size": 4096, "aggregate_size": 4096,
-             "memory_budget": 8192},
+             "memory_budget": 8192, "map_cached": False},
     # Every dim>0 slice read row by row.
     "strided": {"progress": False, "threads": 4, "read_size": 4096, "aggregate_size": 16384,
                 "memory_budget": 65536, "strided_min_skip": 0},

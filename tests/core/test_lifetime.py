@@ -21,7 +21,14 @@ from hypothesis import strategies as st
 from vllm_fastload import TensorRequest
 from vllm_fastload.buffers import BufferPool, storage_references
 
-from ._util import assert_bitexact, open_ckpt, random_tensor, save
+from ._util import assert_bitexact, random_tensor, save
+from ._util import open_ckpt as _open_ckpt
+
+
+def open_ckpt(path, config: dict | None = None, device: str = "cpu"):
+    """With ``map_cached`` off: the files here were just written, so they are cached, and the read
+    buffers are what these tests are about (mapped views: test_mapped_views.py)."""
+    return _open_ckpt(path, {"map_cached": False, **(config or {})}, device)
 
 N_LAYERS = 24
 TINY = {"threads": 2, "read_size": 4096, "aggregate_size": 4096, "memory_budget": 3 * 4096}

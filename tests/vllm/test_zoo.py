@@ -72,6 +72,7 @@ def test_family_is_bit_exact_on_every_rank(family, zoo_run):
     assert "error" not in s, f"{s.get('error')}\n{s.get('traceback')}"
     assert all(s["same_names"])
     assert s["exact"] == [True] * TP, f"parameters that differ, per rank: {s['different']}"
+    assert s["exact_whole"] == [True] * TP, "plan_per_rank false (through load_weights) differs from the default"
 
 
 @pytest.mark.parametrize("family", ALL)

@@ -5,13 +5,15 @@ CI's budget. Instead ONE pair of processes (TP=2, gloo on CPU) sets up vLLM's di
 once, the way vLLM's CPU workers do (``init_distributed_environment`` +
 ``ensure_model_parallel_initialized`` under ``set_current_vllm_config``), and then, per family:
 ``EngineArgs(...).create_engine_config()`` -> ``get_model_loader(load_config)`` ->
-``loader.load_model(vllm_config=..., model_config=...)`` with vLLM's default loader (``auto``) and
-with ``fastload`` (registered through the ``vllm.general_plugins`` entry point), digesting every
-parameter and buffer on each rank.
+``loader.load_model(vllm_config=..., model_config=...)`` with vLLM's default loader (``auto``),
+with ``fastload`` (registered through the ``vllm.general_plugins`` entry point) and with fastload's
+path through the model's ``load_weights`` (``plan_per_rank`` false), digesting every parameter and
+buffer on each rank.
 
 Run: python zoo.py OUT_DIR TP CHECKPOINT_DIR [CHECKPOINT_DIR ...]
-Writes OUT_DIR/rank{r}.json: {family: {"auto": digests, "fastload": digests, "report": fastload's
-per-rank report, "seconds": {...}} or {"error": ..., "traceback": ...}}.
+Writes OUT_DIR/rank{r}.json: {family: {"auto": digests, "fastload": digests, "whole": digests,
+"report:fastload" and "report:whole": fastload's per-rank reports, "seconds": {...}}
+or {"error": ..., "traceback": ...}}.
 Checkpoints are built by ``build_family`` (transformers' own model classes, several shards).
 """
 
@@ -214,24 +216,33 @@ def _pack_int4(prefix: str, w) -> dict:
             f"{prefix}.weight_shape": torch.tensor([out_f, in_f], dtype=torch.int64)}
 
 
-def _engine_config(path: str, tp: int, load_format: str):
-    from vllm.engine.arg_utils import EngineArgs
-
+#: What each rank loads every family with: vLLM's default loader, fastload's per-rank plan and
+#: fastload's path through the model's load_weights (the one it falls back to).
+MODES: dict[str, tuple[str, dict]] = {
+    "auto": ("auto", {}),
     # Row slices never read through the gaps between rows (the reader does that when gaps are
     # small, as they are in tiny models), so bytes read measure the plan itself.
-    extra = {"strided_min_skip": 0, "progress": False} if load_format == "fastload" else {}
+    "fastload": ("fastload", {"strided_min_skip": 0, "progress": False}),
+    "whole": ("fastload", {"plan_per_rank": False, "progress": False}),
+}
+
+
+def _engine_config(path: str, tp: int, mode: str):
+    from vllm.engine.arg_utils import EngineArgs
+
+    load_format, extra = MODES[mode]
     return EngineArgs(model=path, model_loader_extra_config=extra, tensor_parallel_size=tp, dtype="bfloat16",
                       load_format=load_format, enforce_eager=True, max_model_len=128, skip_tokenizer_init=True, seed=0,
                       distributed_executor_backend="mp" if tp > 1 else None).create_engine_config()
 
 
-def _load(path: str, tp: int, load_format: str) -> tuple[dict, dict | None, float]:
+def _load(path: str, tp: int, mode: str) -> tuple[dict, dict | None, float]:
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader import get_model_loader
 
     from vllm_fastload.vllm_plugin.digests import parameter_digests
 
-    config = _engine_config(path, tp, load_format)
+    config = _engine_config(path, tp, mode)
     loaded: dict[str, str] = {}
     start = time.perf_counter()
     with set_current_vllm_config(config):
@@ -254,7 +265,7 @@ def _load(path: str, tp: int, load_format: str) -> tuple[dict, dict | None, floa
 
 
 def rank_main(rank: int, tp: int, port: int, out_dir: str, paths: list[str]) -> None:
-    """One TP rank: set vLLM's distributed state up once, then load every family twice."""
+    """One TP rank: set vLLM's distributed state up once, then load every family in every mode."""
     import torch
     from vllm.config import set_current_vllm_config
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
@@ -278,12 +289,12 @@ def rank_main(rank: int, tp: int, port: int, out_dir: str, paths: list[str]) -> 
         family = Path(path).name
         entry: dict = {"seconds": {}}
         try:
-            for load_format in ("auto", "fastload"):
-                digests, report, seconds = _load(path, tp, load_format)
-                entry[load_format] = digests
-                entry["seconds"][load_format] = round(seconds, 3)
-                if load_format == "fastload":
-                    entry["report"] = report
+            for mode in MODES:
+                digests, report, seconds = _load(path, tp, mode)
+                entry[mode] = digests
+                entry["seconds"][mode] = round(seconds, 3)
+                if mode != "auto":
+                    entry[f"report:{mode}"] = report
         except BaseException as exc:  # recorded per family; the others still run
             entry["error"] = f"{type(exc).__name__}: {exc}"
             entry["traceback"] = traceback.format_exc()
@@ -311,11 +322,13 @@ def summarize(out_dir: Path, tp: int) -> dict[str, dict]:
         if errors:
             out[family] = {"error": errors[0], "traceback": next(e.get("traceback", "") for e in entries)}
             continue
-        reports = [e["report"] for e in entries]
+        reports = [e["report:fastload"] for e in entries]
         out[family] = {
             "exact": [e["auto"] == e["fastload"] for e in entries],
             "different": [[n for n in e["auto"] if e["fastload"].get(n) != e["auto"][n]] for e in entries],
             "same_names": [e["auto"].keys() == e["fastload"].keys() for e in entries],
+            # Through load_weights (plan_per_rank false): exact too, and never planned.
+            "exact_whole": [e["auto"] == e["whole"] and not e["report:whole"]["planned"] for e in entries],
             "planned": [r["planned"] for r in reports],
             "reason": next((r["fallback_reason"] for r in reports if r["fallback_reason"]), None),
             "read_share": [r["bytes_read"] / r["bytes_total"] for r in reports],

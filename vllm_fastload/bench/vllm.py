@@ -40,6 +40,9 @@ from vllm_fastload.tp_rules import rank_requests
 LOADERS: dict[str, tuple[str, dict | None]] = {
     "fastload": ("fastload", None),
     "fastload-buffered": ("fastload", {"direct_io": "never"}),
+    # The path through the model's load_weights (whole tensors from iter_tensors), which fastload
+    # takes where its probe cannot describe a model's loading.
+    "fastload-whole": ("fastload", {"plan_per_rank": False}),
     "safetensors": ("safetensors", None),
     "safetensors-mt": ("safetensors", {"enable_multithread_load": True, "num_threads": 8}),
     "safetensors-prefetch": ("safetensors", None),

@@ -103,6 +103,13 @@ class HostReader(Reader):
         futures = [pool.submit(task, sf.fd, sf.path, batch) for batch in self.batches(calls, self.config.read_size)]
         return Pending(futures)
 
+    def mapped(self, sf: SafetensorsFile, ranges: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, int] | None:
+        if not self.config.map_cached or sf.fd is None or self.config.direct_io == "always" or not ranges:
+            return None
+        if not cached_calls(sf.fd, [(offset, length, None) for offset, length in ranges]):
+            return None
+        return mapped.file_window(sf.fd, sf.path, min(o for o, _ in ranges), max(o + n for o, n in ranges))
+
     def _submit_cached(self, sf: SafetensorsFile, calls: Sequence[ReadCall | RowsCall],
                        copiers: ThreadPoolExecutor) -> Pending:
         """Copies out of the page cache on the copier threads; the destinations' fresh pages are

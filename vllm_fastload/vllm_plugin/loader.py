@@ -68,7 +68,8 @@ class FastloadModelLoader(BaseModelLoader):
                                           show_progress=self.config.progress and rank == 0) as ckpt:
             infos = {name: ckpt.info(name) for name in ckpt.keys()}
             tensors = {name: (shape_of(info), dtype_of(info)) for name, info in infos.items()}
-            probe = probe_model(model, tensors)
+            probe = (probe_model(model, tensors) if self.config.plan_per_rank else
+                     ProbeResult(unsupported=["plan_per_rank is false in the fastload config"]))
             probe_s = time.perf_counter() - start
             kept = None if probe.unsupported else _bytes_kept(probe, infos)
             if probe.unsupported:

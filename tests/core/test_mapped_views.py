@@ -1,0 +1,106 @@
+"""iter_tensors hands out cached tensors of a local file as views of a private mapping
+(readers/mapped.py ``file_window``): the caller's copy is then the only one, as with safetensors."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from vllm_fastload import TensorRequest
+from vllm_fastload.readers import host, mapped
+
+from ._util import assert_bitexact, open_ckpt, random_tensor, save
+
+
+@pytest.fixture
+def ckpt(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    tensors = {f"model.layers.{i}.mlp.weight": random_tensor((64, 48), dtype, i)
+               for i, dtype in enumerate([torch.bfloat16, torch.float32, torch.int8, torch.float64] * 2)}
+    tensors["model.embed_tokens.weight"] = random_tensor((100, 16), torch.float16, 99)
+    path = save(tmp_path / "model.safetensors", tensors)
+    return path, tensors
+
+
+def _spy_reads(monkeypatch) -> list:
+    submitted: list = []
+    real = host.HostReader.submit
+    monkeypatch.setattr(host.HostReader, "submit", lambda self, sf, calls: submitted.append(len(calls)) or
+                        real(self, sf, calls))
+    return submitted
+
+
+def test_cached_tensors_are_views_of_the_file_and_outlive_the_checkpoint(ckpt, monkeypatch):
+    path, tensors = ckpt
+    submitted = _spy_reads(monkeypatch)
+    with open_ckpt(path) as c:
+        kept = dict(c.iter_tensors())
+        stats = c.last_stats
+    assert submitted == []                        # nothing read into a buffer
+    assert stats.bytes_read == sum(t.numel() * t.element_size() for t in tensors.values())
+    gc.collect()
+    with safe_open(str(path), "pt") as f:         # the views stay valid after close
+        for name, t in kept.items():
+            assert_bitexact(t, f.get_tensor(name), name)
+    # Private and copy-on-write: writing into a view changes neither the file nor a later load.
+    name = "model.layers.0.mlp.weight"
+    kept[name].view(torch.uint8).fill_(0x5A)
+    with open_ckpt(path) as c:
+        assert_bitexact(c.get_tensor(name), tensors[name], name)
+    assert bytes(path.read_bytes()).count(b"\x5a" * 64) == 0
+
+
+def test_slices_and_casts_from_views_are_exact(ckpt):
+    path, tensors = ckpt
+    name = "model.layers.1.mlp.weight"
+    with open_ckpt(path, {"strided_min_skip": 1 << 40}) as c:  # the dim-1 slice read as enclosing rows
+        got = dict(c.iter_tensors([TensorRequest(name, dim=0, start=8, length=20, key="rows"),
+                                   TensorRequest(name, dim=1, start=5, length=9, key="cols")],
+                                  dtype=torch.float64))
+    assert_bitexact(got["rows"], tensors[name][8:28].double())
+    assert_bitexact(got["cols"], tensors[name][:, 5:14].double())
+
+
+@pytest.mark.parametrize("why", ["not cached", "network filesystem", "mmap fails", "turned off"])
+def test_tensors_are_read_where_the_file_is_not_mapped(ckpt, monkeypatch, why):
+    path, tensors = ckpt
+    config = {}
+    if why == "not cached":
+        monkeypatch.setattr(host, "_cached", lambda fd, offsets: False)
+    elif why == "network filesystem":
+        monkeypatch.setattr(mapped, "_local", lambda path: False)
+    elif why == "mmap fails":
+        real = mapped.mmap.mmap
+
+        def refuse(fd, *args, **kw):  # files only: read buffers are anonymous mappings
+            if fd != -1:
+                raise OSError(19, "No such device")
+            return real(fd, *args, **kw)
+        monkeypatch.setattr(mapped.mmap, "mmap", refuse)
+    else:
+        config = {"map_cached": False}
+    submitted = _spy_reads(monkeypatch)
+    with open_ckpt(path, config) as c:
+        got = {k: v.clone() for k, v in c.iter_tensors()}
+    assert submitted                              # read, not mapped
+    for name, t in tensors.items():
+        assert_bitexact(got[name], t, name)
+
+
+def test_a_file_cut_short_is_a_clear_error_not_a_crash(ckpt):
+    """The plan's ranges are checked against the mapping: bytes past the end are never touched."""
+    path, _ = ckpt
+    c = open_ckpt(path, {"check_file_changes": False})
+    try:
+        size = path.stat().st_size
+        with open(path, "r+b") as f:
+            f.truncate(size - 100)
+        with pytest.raises(Exception) as err:
+            for _ in c.iter_tensors():
+                pass
+        assert str(path) in str(err.value)
+    finally:
+        c.close()
