@@ -104,3 +104,19 @@ def test_a_file_cut_short_is_a_clear_error_not_a_crash(ckpt):
         assert str(path) in str(err.value)
     finally:
         c.close()
+
+
+def test_with_buffered_reads_uncached_tensors_are_views_too_after_advice(ckpt, monkeypatch):
+    """``direct_io`` "never" (the vLLM loader's choice where every rank reads every tensor, so that
+    the ranks share one disk read through the page cache): no read calls, the chunk is advised."""
+    path, tensors = ckpt
+    monkeypatch.setattr(host, "_cached", lambda fd, offsets: False)
+    advised: list = []
+    real = host.advise
+    monkeypatch.setattr(host, "advise", lambda fd, calls: advised.append(len(calls)) or real(fd, calls))
+    submitted = _spy_reads(monkeypatch)
+    with open_ckpt(path, {"direct_io": "never"}) as c:
+        got = dict(c.iter_tensors())
+    assert submitted == [] and sum(advised) == len(tensors)
+    for name, t in tensors.items():
+        assert_bitexact(got[name], t, name)

@@ -104,11 +104,18 @@ class HostReader(Reader):
         return Pending(futures)
 
     def mapped(self, sf: SafetensorsFile, ranges: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, int] | None:
+        """Cached ranges; with ``direct_io`` "never" also ranges not cached, advised to the kernel
+        now (the caller's copy then waits for the disk where it gets ahead of it)."""
         if not self.config.map_cached or sf.fd is None or self.config.direct_io == "always" or not ranges:
             return None
-        if not cached_calls(sf.fd, [(offset, length, None) for offset, length in ranges]):
-            return None
-        return mapped.file_window(sf.fd, sf.path, min(o for o, _ in ranges), max(o + n for o, n in ranges))
+        calls = [(offset, length, None) for offset, length in ranges]
+        cached = cached_calls(sf.fd, calls)
+        if not cached and self.config.direct_io != "never":
+            return None  # read with O_DIRECT
+        window = mapped.file_window(sf.fd, sf.path, min(o for o, _ in ranges), max(o + n for o, n in ranges))
+        if window is not None and not cached:
+            advise(sf.fd, calls)
+        return window
 
     def _submit_cached(self, sf: SafetensorsFile, calls: Sequence[ReadCall | RowsCall],
                        copiers: ThreadPoolExecutor) -> Pending:

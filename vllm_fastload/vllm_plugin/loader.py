@@ -64,8 +64,10 @@ class FastloadModelLoader(BaseModelLoader):
         path = self._checkpoint_dir(model_config)
         device = _model_device(model)
         rank, world = _rank()
-        with vllm_fastload.FastCheckpoint(path, device=device, config=self.config,
-                                          show_progress=self.config.progress and rank == 0) as ckpt:
+        whole = _whole_reads_config(self.config, world)
+        open_kw = {"device": device, "show_progress": self.config.progress and rank == 0}
+        with vllm_fastload.FastCheckpoint(path, config=self.config if self.config.plan_per_rank else whole,
+                                          **open_kw) as ckpt:
             infos = {name: ckpt.info(name) for name in ckpt.keys()}
             tensors = {name: (shape_of(info), dtype_of(info)) for name, info in infos.items()}
             probe = (probe_model(model, tensors) if self.config.plan_per_rank else
@@ -75,7 +77,12 @@ class FastloadModelLoader(BaseModelLoader):
             if probe.unsupported:
                 logger.warning("fastload: reading every tensor in full through load_weights on rank %d: %s",
                                rank, probe.unsupported[0])
-                loaded, summary = self._load_through_model(model, ckpt)
+                if not self.config.plan_per_rank:  # opened with ``whole`` already
+                    loaded, summary = self._load_through_model(model, ckpt)
+                else:
+                    with vllm_fastload.FastCheckpoint(path, config=whole, **open_kw) as again:
+                        loaded, summary = self._load_through_model(model, again)
+                        ckpt.last_stats = again.last_stats
             else:
                 _check_fully_written(probe, path)
                 if world == 1:
@@ -254,6 +261,15 @@ def _bytes_kept(probe: ProbeResult, infos: dict) -> int:
         used = min(sum(math.prod(p.src_shape) for p in placements), info.numel)
         total += used * info.nbytes // max(info.numel, 1)
     return total
+
+
+def _whole_reads_config(config: FastloadConfig, world: int) -> FastloadConfig:
+    """The config for reading every tensor whole on every rank: through the page cache where
+    several ranks share the machine, so that one rank's disk read serves them all (with O_DIRECT
+    each rank read the whole checkpoint from disk: at TP=2, 2.4x the default loader's cold time)."""
+    if world > 1 and config.direct_io == "auto":
+        return config.model_copy(update={"direct_io": "never"})
+    return config
 
 
 def _model_device(model: nn.Module) -> torch.device:
