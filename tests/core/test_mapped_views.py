@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import gc
+import os
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 from vllm_fastload import TensorRequest
-from vllm_fastload.readers import host, mapped
+from vllm_fastload.readers import host, mapped, pagecache
 
 from ._util import assert_bitexact, open_ckpt, random_tensor, save
 
@@ -70,6 +71,7 @@ def test_tensors_are_read_where_the_file_is_not_mapped(ckpt, monkeypatch, why):
     config = {}
     if why == "not cached":
         monkeypatch.setattr(host, "_cached", lambda fd, offsets: False)
+        monkeypatch.setattr(host.pagecache, "cached_share", lambda fd, start, end: 0.0)
     elif why == "network filesystem":
         monkeypatch.setattr(mapped, "_local", lambda path: False)
     elif why == "mmap fails":
@@ -120,3 +122,35 @@ def test_with_buffered_reads_uncached_tensors_are_views_too_after_advice(ckpt, m
     assert submitted == [] and sum(advised) == len(tensors)
     for name, t in tensors.items():
         assert_bitexact(got[name], t, name)
+
+
+@pytest.mark.parametrize("share", [0.9, 0.1])
+def test_a_mostly_cached_chunk_is_mapped_and_its_missing_pages_advised(ckpt, monkeypatch, share):
+    """Pages reclaimed here and there: O_DIRECT would fetch the whole chunk from disk again."""
+    path, tensors = ckpt
+    monkeypatch.setattr(host, "_cached", lambda fd, offsets: False)
+    monkeypatch.setattr(host.pagecache, "cached_share", lambda fd, start, end: share)
+    advised: list = []
+    real = host.advise
+    monkeypatch.setattr(host, "advise", lambda fd, calls: advised.append(len(calls)) or real(fd, calls))
+    submitted = _spy_reads(monkeypatch)
+    with open_ckpt(path) as c:
+        got = {k: v.clone() for k, v in c.iter_tensors()}
+    mapped_views = share >= host.MOSTLY_CACHED
+    assert (submitted == []) is mapped_views and (sum(advised) == len(tensors)) is mapped_views
+    for name, t in tensors.items():
+        assert_bitexact(got[name], t, name)
+
+
+def test_cached_share_counts_sampled_pages(tmp_path):
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * (64 << 12))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        share = pagecache.cached_share(fd, 0, 64 << 12)
+        if share is None:
+            pytest.skip("mincore cannot be asked truthfully for this file here")
+        assert share == 1.0  # just written
+        assert pagecache.cached_share(fd, 100, 100) == 1.0  # nothing to ask about
+    finally:
+        os.close(fd)

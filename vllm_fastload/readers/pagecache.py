@@ -32,6 +32,21 @@ def is_cached(fd: int, offsets: Sequence[int]) -> bool:
     return _nowait(fd, offsets)
 
 
+def cached_share(fd: int, start: int, end: int, samples: int = 16) -> float | None:
+    """The share of ``samples`` pages spread evenly over bytes ``[start, end)`` that are in the page
+    cache; None where ``mincore`` cannot be asked truthfully (see above). (All the pages of a 64
+    MiB chunk at once took 1.5 ms.)"""
+    if end <= start:
+        return 1.0
+    if not _may_ask_mincore(fd):
+        return None
+    offsets = [start + (end - 1 - start) * i // (samples - 1) for i in range(samples)]
+    found = [_mincore(fd, [offset]) for offset in offsets]
+    if None in found:
+        return None
+    return sum(found) / samples
+
+
 def _may_ask_mincore(fd: int) -> bool:
     try:
         if os.geteuid() == 0 or os.fstat(fd).st_uid == os.geteuid():
