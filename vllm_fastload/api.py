@@ -27,11 +27,16 @@ class FastCheckpoint:
 
     Tensor lifetime, precisely:
     - ``get_tensor`` / ``get_slice`` return tensors the caller owns.
-    - ``iter_tensors`` yields views into reused read buffers. A view stays valid and unchanged
-      for as long as the caller holds it: a buffer is reused only once no tensor references
-      it. Copy what you need and drop the view, and memory is recycled; keep the view, and
-      its buffer becomes yours (it is freed with the view). Views may be non-contiguous
-      when the plan read enclosing rows for a dim>0 slice.
+    - ``iter_tensors`` yields views into reused read buffers, or (host reader, local files,
+      ``map_cached``) views of a private, copy-on-write mapping of the chunk, as safetensors'
+      ``safe_open`` gives. A view stays valid for as long as the caller holds it: a buffer is
+      reused only once no tensor references it, a mapping is unmapped once none does. Copy what
+      you need and drop the view, and memory is recycled; keep the view, and its buffer or
+      mapping becomes yours (freed with the view). A buffer view never changes; a mapped view
+      changes only where you write into it, unless the file itself is rewritten in place while
+      you hold it (it shows the file, like safetensors' tensors; ``check_file_changes`` stops a
+      load during which that happens). Views may be non-contiguous when the plan read enclosing
+      rows for a dim>0 slice.
     - ``read_into`` fills tensors the caller already owns.
     """
 

@@ -103,9 +103,10 @@ class FastloadConfig(BaseSettings):
                                 "only this rank's bytes straight into the parameters. false: read every "
                                 "tensor whole and hand it to the model's load_weights, as vLLM's default "
                                 "loader does (an escape hatch; each rank then reads the whole checkpoint).")
-    map_cached: bool = Field(True, description="host backend: iter_tensors hands out tensors already in "
-                             "the page cache of a local file as views of a private mapping of the file "
-                             "(as safetensors' safe_open does) instead of copying them into read buffers.")
+    map_cached: bool = Field(True, description="host backend: iter_tensors hands out tensors that are (mostly) "
+                             "in the page cache of a local file, and with direct_io 'never' all of them, as "
+                             "views of a private mapping of the file (as safetensors' safe_open does) "
+                             "instead of copying them into read buffers.")
     hugepages: bool = Field(True, description="Ask for transparent huge pages on host buffers "
                             "(fresh memory is ~6x faster to fill that way).")
     remote: RemoteConfig = Field(default_factory=RemoteConfig, description="Object store settings for "

@@ -8,6 +8,7 @@ layer group's last tensor was consumed, fire its event.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import deque
 from collections.abc import Iterator
@@ -87,15 +88,24 @@ def _direct_bytes(chunk: Chunk) -> int:
 
 
 def _mapped(reader: Reader, sf, chunk: Chunk) -> tuple[torch.Tensor, int] | None:
-    """The chunk's bytes where a buffered chunk can be handed out as views of the page cache
-    instead of read into a buffer (the reader says its ranges are cached, in a mappable local
-    file); None to read it. Each tensor must be one aligned range of the file: row slices read
-    segment by segment are not laid out in the file as the caller sees them."""
+    """The chunk's bytes where a buffered chunk can be handed out as views of a mapping of the
+    file instead of read into a buffer (the reader decides: cached, local, mappable); None to read
+    it. Each tensor must be one aligned range of the file (row slices read segment by segment are
+    not laid out in the file as the caller sees them), and no two may overlap: views of one
+    mapping share memory, so writing into one would change the other, where reads into a buffer
+    give each request its own bytes."""
     ranges = []
     for t, _ in chunk.tensors:
-        if len(t.ranges) != 1 or t.ranges[0][0] % torch_dtype(t).itemsize:
+        try:
+            itemsize = torch_dtype(t).itemsize
+        except Exception:  # a dtype torch cannot hold: its error belongs to its delivery, not here
+            return None
+        if len(t.ranges) != 1 or t.ranges[0][0] % itemsize:
             return None
         ranges.append(t.ranges[0])
+    ranges.sort()
+    if any(a[0] + a[1] > b[0] for a, b in itertools.pairwise(ranges)):
+        return None
     return reader.mapped(sf, ranges)
 
 
@@ -127,8 +137,8 @@ class PlanExecutor:
         """Yield ``(planned tensor, tensor)`` in plan order.
 
         For buffered chunks the tensor is a view into a pool buffer: valid as long as the
-        caller holds it, never overwritten while held (see ``buffers``); or, where the chunk is in
-        the page cache of a local file, a view of a private mapping of the file (copy-on-write). For direct chunks it
+        caller holds it, never overwritten while held (see ``buffers``); or, where the reader maps
+        the chunk (``Reader.mapped``), a view of a private, copy-on-write mapping of the file. For direct chunks it
         is the caller's own destination, already filled.
         """
         chunks = plan.chunks
@@ -189,7 +199,11 @@ class PlanExecutor:
                     if self.config.check_file_changes:
                         self.checkpoint.files[item.chunk.file].check_unchanged()
                     yield from self._deliver(item)
-                    if item.buffer is not None:
+                    if item.mapped is not None and self.config.check_file_changes:
+                        # Views show the file while the caller copies them: a change made
+                        # meanwhile is caught here, before the next chunk.
+                        self.checkpoint.files[item.chunk.file].check_unchanged()
+                    if item.buffer is not None or item.mapped is not None:
                         if previous is not None:
                             self.pool.release(previous)
                         previous, item.buffer = item.buffer, None

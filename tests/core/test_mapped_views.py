@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import os
+import types
 from pathlib import Path
 
 import pytest
@@ -75,13 +76,9 @@ def test_tensors_are_read_where_the_file_is_not_mapped(ckpt, monkeypatch, why):
     elif why == "network filesystem":
         monkeypatch.setattr(mapped, "_local", lambda path: False)
     elif why == "mmap fails":
-        real = mapped.mmap.mmap
-
-        def refuse(fd, *args, **kw):  # files only: read buffers are anonymous mappings
-            if fd != -1:
-                raise OSError(19, "No such device")
-            return real(fd, *args, **kw)
-        monkeypatch.setattr(mapped.mmap, "mmap", refuse)
+        real = mapped._libc_keeping_gil()
+        refusing = types.SimpleNamespace(mmap=lambda *args: mapped._MAP_FAILED, munmap=real.munmap)
+        monkeypatch.setattr(mapped, "_libc_keeping_gil", lambda: refusing)
     else:
         config = {"map_cached": False}
     submitted = _spy_reads(monkeypatch)
@@ -154,3 +151,29 @@ def test_cached_share_counts_sampled_pages(tmp_path):
         assert pagecache.cached_share(fd, 100, 100) == 1.0  # nothing to ask about
     finally:
         os.close(fd)
+
+
+def test_overlapping_requests_never_share_memory(ckpt):
+    """Two views of one mapping would share bytes: such a chunk is read into a buffer instead."""
+    path, tensors = ckpt
+    name = "model.layers.1.mlp.weight"
+    with open_ckpt(path) as c:
+        got = dict(c.iter_tensors([TensorRequest(name, key="a"), TensorRequest(name, dim=0, start=0, length=8,
+                                                                                  key="b")]))
+    got["a"].zero_()
+    assert_bitexact(got["b"], tensors[name][:8])
+
+
+def test_kept_views_hold_no_file_descriptors(ckpt, monkeypatch):
+    """Python's mmap would keep a duplicate descriptor per mapping while a view lives."""
+    path, tensors = ckpt
+    submitted = _spy_reads(monkeypatch)
+    before = len(os.listdir("/proc/self/fd"))
+    kept = []
+    for _ in range(5):
+        with open_ckpt(path, {"aggregate_size": 4096, "read_size": 4096}) as c:  # a mapping per tensor
+            kept += [t for _, t in c.iter_tensors()]
+    assert len(kept) == 5 * len(tensors) and submitted == []  # all mapped
+    assert len(os.listdir("/proc/self/fd")) <= before
+    del kept
+    gc.collect()

@@ -95,10 +95,9 @@ class Reader(ABC):
         """Start reading ``calls`` from ``sf``; return a handle to wait on."""
 
     def mapped(self, sf: SafetensorsFile, ranges: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, int] | None:
-        """Bytes of the file covering ``ranges``, as a uint8 tensor whose views may be handed out
-        instead of reading them (they are in the page cache, the file is local and mappable), and
-        the file offset of its first byte; None: read them. Only a reader whose destination is
-        host memory can say yes."""
+        """Bytes of the file covering ``ranges``, as a uint8 tensor over a mapping whose views may be
+        handed out instead of reading them, and the file offset of its first byte; None: read
+        them. Only a reader whose destination is host memory can say yes (see ``HostReader``)."""
         return None
 
     def threads(self) -> ThreadPoolExecutor:

@@ -9,26 +9,30 @@ took 0.043 s this way. Read through their gaps, with one ``preadv`` per batch of
 they took 0.46 s. The whole rank-1 load went from 1.04x to 0.67x the time of a full (TP=1) load.
 
 ``file_window``: a chunk of the file as a tensor over a private mapping, so that ``iter_tensors`` can
-hand out cached tensors as views of the page cache, as safetensors' own ``safe_open`` does
-(vLLM's default loader), instead of copying each into a read buffer first: the caller's copy is
-then the only one.
+hand out tensors as views of the page cache, as safetensors' own ``safe_open`` does (vLLM's
+default loader), instead of copying each into a read buffer first: the caller's copy is then the
+only one. The host reader maps chunks that are (mostly) cached, and with ``direct_io`` "never"
+also cold chunks, after advising them (see ``HostReader.mapped``).
 
-Only for cached pages (page faults on a cold mapping read the disk a few pages at a time, without
-the advice the row-by-row path gives it), and only on local filesystems: where the bytes cross a
-network, an I/O error or a change on the server under a mapped copy is ``SIGBUS``, which ends the
-process, where a read would raise an error naming the file.
+Only on local filesystems: where the bytes cross a network, an I/O error or a change on the server
+under a mapping is ``SIGBUS``, which ends the process, where a read would raise an error naming
+the file. On a local disk that holds for a disk failing or the file cut short while mapped, as it
+does for safetensors' mapping.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import mmap
 import os
+import weakref
 
 import numpy as np
 import torch
 
 from vllm_fastload.plan import Rows
+from vllm_fastload.readers.pagecache import _MAP_FAILED, _libc_keeping_gil
 from vllm_fastload.sources.fstype import filesystem_type, is_network
 
 
@@ -90,18 +94,25 @@ def file_window(fd: int, path: str, start: int, end: int) -> tuple[torch.Tensor,
     is on a network filesystem (see above), shorter than ``end`` or cannot be mapped.
 
     Private and writable: a caller that writes into a view gets its own copy of those pages, and
-    the file never changes. The mapping lives as long as any tensor that views it, and covers
-    only the chunk at hand, so the pages it maps count in the process's memory only while the
-    caller holds tensors in them (as safetensors' mapping of the file it has open).
+    the file never changes; pages nobody wrote show the file as it is (as safetensors' mapping
+    does). The mapping lives as long as any tensor that views it, and covers only the chunk at
+    hand, so the pages it maps count in the process's memory only while the caller holds tensors
+    in them. It is made through libc, not Python's ``mmap``, which keeps a duplicate of the file
+    descriptor open per mapping (a caller keeping 2000 chunks' tensors would run out of them).
     """
-    if not _local(path) or end <= start:
+    libc = _libc_keeping_gil()
+    if libc is None or not _local(path) or end <= start:
         return None
     first = start - start % mmap.ALLOCATIONGRANULARITY
+    length = end - first
     try:
         if os.fstat(fd).st_size < end:
             return None
-        mapping = mmap.mmap(fd, end - first, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE,
-                            offset=first)
-    except (OSError, ValueError):
+    except OSError:
         return None
-    return torch.frombuffer(mapping, dtype=torch.uint8), first
+    address = libc.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, fd, first)
+    if address is None or address == _MAP_FAILED:
+        return None
+    memory = (ctypes.c_ubyte * length).from_address(address)
+    weakref.finalize(memory, libc.munmap, address, length)  # when the last view is gone
+    return torch.frombuffer(memory, dtype=torch.uint8), first

@@ -77,19 +77,20 @@ class FastloadModelLoader(BaseModelLoader):
             if probe.unsupported:
                 logger.warning("fastload: reading every tensor in full through load_weights on rank %d: %s",
                                rank, probe.unsupported[0])
-                if not self.config.plan_per_rank:  # opened with ``whole`` already
+                if not self.config.plan_per_rank or whole is self.config:  # opened with ``whole`` already
                     loaded, summary = self._load_through_model(model, ckpt)
+                    backend = ckpt.reader.name
                 else:
                     with vllm_fastload.FastCheckpoint(path, config=whole, **open_kw) as again:
                         loaded, summary = self._load_through_model(model, again)
-                        ckpt.last_stats = again.last_stats
+                        ckpt.last_stats, backend = again.last_stats, again.reader.name
             else:
                 _check_fully_written(probe, path)
                 if world == 1:
                     _check_fully_used(probe, infos)
                 loaded, summary = self._load_direct(ckpt, probe)
+                backend = ckpt.reader.name
             stats = ckpt.last_stats
-            backend = ckpt.reader.name
         elapsed = time.perf_counter() - start
         nbytes = stats.bytes_read if stats else 0
         logger.info("fastload rank %d/%d: read %.1f MB of %.1f MB checkpoint (%.3f) with backend %s in %.2f s "
