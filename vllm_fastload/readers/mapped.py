@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from vllm_fastload.plan import Rows
-from vllm_fastload.readers.pagecache import _MAP_FAILED, _libc_keeping_gil
+from vllm_fastload.readers.pagecache import MAP_FAILED, libc_keeping_gil
 from vllm_fastload.sources.fstype import filesystem_type, is_network
 
 
@@ -100,7 +100,7 @@ def file_window(fd: int, path: str, start: int, end: int) -> tuple[torch.Tensor,
     in them. It is made through libc, not Python's ``mmap``, which keeps a duplicate of the file
     descriptor open per mapping (a caller keeping 2000 chunks' tensors would run out of them).
     """
-    libc = _libc_keeping_gil()
+    libc = libc_keeping_gil()
     if libc is None or not _local(path) or end <= start:
         return None
     first = start - start % mmap.ALLOCATIONGRANULARITY
@@ -111,7 +111,7 @@ def file_window(fd: int, path: str, start: int, end: int) -> tuple[torch.Tensor,
     except OSError:
         return None
     address = libc.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, fd, first)
-    if address is None or address == _MAP_FAILED:
+    if address is None or address == MAP_FAILED:
         return None
     memory = (ctypes.c_ubyte * length).from_address(address)
     weakref.finalize(memory, libc.munmap, address, length)  # when the last view is gone
