@@ -219,6 +219,32 @@ def test_populate_faults_in_fresh_memory_once():
     region.close()
 
 
+def test_prefault_fills_fresh_tensors_in_the_background_without_changing_a_byte():
+    """What the vLLM loader wraps around ``load_weights`` on its whole-read path."""
+    size = 4 << 20
+    regions = [mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) for _ in range(3)]
+    fresh = [torch.frombuffer(r, dtype=torch.uint8) for r in regions]
+    fresh[1].fill_(9)                                 # one the caller has written already
+    strided = torch.zeros(64, 64)[:, ::2]             # not contiguous: passed over
+    with memory.Prefault([*fresh, strided, torch.empty(0)]) as prefault:
+        prefault._thread.join()                       # the caller would be copying meanwhile
+    if not memory._supported:
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14): nothing to fault in")
+    assert prefault.faulted == 2                      # the two fresh ones; fresh[1] was resident
+    libc = memory._load_libc()
+    for t in fresh:
+        assert memory._resident(libc, t.data_ptr()) and memory._resident(libc, t.data_ptr() + size - memory.PAGE)
+    assert int(fresh[0].sum()) == 0 and int(fresh[2].sum()) == 0 and bool((fresh[1] == 9).all())
+    # Stopped before it starts (the caller failed at once): it faults in nothing more.
+    late = torch.frombuffer(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=torch.uint8)
+    stopped = memory.Prefault([late])
+    stopped._stop.set()
+    with stopped:
+        pass
+    assert stopped.faulted == 0 and not memory._resident(libc, late.data_ptr())
+    del fresh, late
+
+
 def test_cache_probe_and_advice(tmp_path: Path, monkeypatch):
     """The probe tells cached chunks (copied on few threads, never advised) from cold ones; the
     buffered fallback advises the span, and rows are advised only for the pages holding them."""

@@ -240,3 +240,26 @@ def test_a_copy_into_the_same_region_replaces_the_earlier_one():
     result = probe_model(Shape(), {"a": ((2,), torch.int64), "b": ((2,), torch.int64)})
     assert not result.unsupported
     assert list(result.placements) == ["b"]  # the last write wins, as in the loader
+
+
+def test_column_blocks_of_a_transposed_fused_parameter_are_disjoint_writes():
+    """GPTQ keeps ``qweight`` as (in, out): a fused gate_up takes its two shards as column blocks,
+    whose byte spans interleave. They must plan (and an overlapping block must still be refused)."""
+
+    class Transposed(nn.Module):
+        def __init__(self, second: int) -> None:
+            super().__init__()
+            self.qweight = nn.Parameter(torch.zeros(4, 16, dtype=torch.int32), requires_grad=False)
+            self.second = second
+
+        def load_weights(self, weights):
+            for name, w in weights:
+                self.qweight.data.narrow(1, 0 if name == "gate" else self.second, 8).copy_(w)
+            return {"qweight"}
+
+    tensors = {"gate": ((4, 8), torch.int32), "up": ((4, 8), torch.int32)}
+    result = probe_model(Transposed(8), tensors)
+    assert not result.unsupported and sorted(result.placements) == ["gate", "up"]
+    assert not result.partly_written()
+    clash = probe_model(Transposed(4), tensors)  # columns 4..7 written twice
+    assert clash.unsupported and "written twice in overlapping regions" in clash.unsupported[0]

@@ -105,6 +105,8 @@ QUANTIZED: dict[str, tuple[str, str]] = {
     "llama-w8a8-int8": ("llama", "int8"),
     "qwen2-w8a8-fp8": ("qwen2", "fp8"),
     "mistral-w4a16-int4": ("mistral", "int4"),
+    "llama-gptq-int4": ("llama", "gptq"),
+    "qwen2-awq-int4": ("qwen2", "awq"),
 }
 #: Group size of the int4 scheme (scales per 32 input channels).
 GROUP = 32
@@ -112,8 +114,9 @@ _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "dow
 
 
 def build_quantized(name: str, root: Path) -> Path:
-    """A compressed-tensors W8A8 checkpoint (int8 or fp8 weights, one scale per output channel,
-    dynamic per-token activations) of a zoo family, several shards."""
+    """A quantized checkpoint of a zoo family, several shards: compressed-tensors W8A8 (int8 or fp8
+    weights, one scale per output channel, dynamic per-token activations) or W4A16, or the GPTQ
+    or AWQ int4 layout (as AutoGPTQ / AutoAWQ write it)."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -125,7 +128,9 @@ def build_quantized(name: str, root: Path) -> Path:
     tmp = root / f".{name}.tmp"
     tmp.mkdir(parents=True, exist_ok=True)
     config = json.loads((base / "config.json").read_text())
-    if scheme == "int4":  # weights only, packed eight to an int32, one scale per GROUP inputs
+    if scheme in ("gptq", "awq"):
+        config["quantization_config"] = _int4_layout_config(scheme)
+    elif scheme == "int4":  # weights only, packed eight to an int32, one scale per GROUP inputs
         group = {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": True,
                                                     "strategy": "group", "group_size": GROUP, "dynamic": False}}
         fmt = "pack-quantized"
@@ -136,8 +141,9 @@ def build_quantized(name: str, root: Path) -> Path:
                  "input_activations": {"num_bits": 8, "type": kind, "symmetric": True, "strategy": "token",
                                        "dynamic": True}}
         fmt = f"{kind}-quantized"
-    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": fmt, "ignore": ["lm_head"],
-                                     "config_groups": {"group_0": group}}
+    if scheme not in ("gptq", "awq"):
+        config["quantization_config"] = {"quant_method": "compressed-tensors", "format": fmt, "ignore": ["lm_head"],
+                                         "config_groups": {"group_0": group}}
     (tmp / "config.json").write_text(json.dumps(config, indent=1))
     index = {"metadata": {}, "weight_map": {}}
     for shard in sorted(base.glob("*.safetensors")):
@@ -145,6 +151,9 @@ def build_quantized(name: str, root: Path) -> Path:
         for key, t in load_file(shard).items():
             if key.endswith(".weight") and key.split(".")[-2] in _LINEARS:
                 w = t.float()
+                if scheme in ("gptq", "awq"):
+                    tensors.update(_int4_layout(scheme, key.removesuffix(".weight"), w))
+                    continue
                 if scheme == "int4":
                     tensors.update(_pack_int4(key.removesuffix(".weight"), w))
                     continue
@@ -214,6 +223,41 @@ def _pack_int4(prefix: str, w) -> dict:
     packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
     return {f"{prefix}.weight_packed": packed, f"{prefix}.weight_scale": scale.squeeze(2).contiguous(),
             f"{prefix}.weight_shape": torch.tensor([out_f, in_f], dtype=torch.int64)}
+
+
+def _int4_layout_config(scheme: str) -> dict:
+    if scheme == "gptq":  # static activation order (desc_act false): vLLM 0.32 refuses the other
+        return {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False, "sym": True,
+                "lm_head": False}
+    return {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"}
+
+
+def _int4_layout(scheme: str, prefix: str, w) -> dict:
+    """GPTQ or AWQ int4 tensors of ``w`` (out, in), group-wise along the input dim.
+
+    Both store the weight transposed, (in, out). GPTQ packs eight 4-bit values per int32 down the
+    input dim (``qweight`` (in / 8, out)) and its zero points across the output dim; AWQ packs both
+    across the output dim (``qweight`` (in, out / 8)). ``scales`` are fp16 (in / GROUP, out), cast by
+    the loader to the model's bf16. The exact nibble order does not matter here: the test compares
+    loaded bytes, and what vLLM computes with them only has to run.
+    """
+    import torch
+
+    out_f, in_f = w.shape
+    groups = w.t().reshape(in_f // GROUP, GROUP, out_f)
+    scale = groups.abs().amax(dim=1, keepdim=True).clamp(min=1e-6) / 7
+    q = ((groups / scale).round().clamp(-8, 7) + 8).to(torch.int64).reshape(in_f, out_f)  # 0..15
+
+    def pack(values, dim: int):
+        moved = values.movedim(dim, -1)
+        nibbles = moved.reshape(*moved.shape[:-1], moved.shape[-1] // 8, 8) << (4 * torch.arange(8))
+        packed = nibbles.sum(dim=-1)
+        packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+        return packed.movedim(-1, dim).contiguous()
+
+    zeros = torch.full((in_f // GROUP, out_f), 8 if scheme == "awq" else 7, dtype=torch.int64)
+    return {f"{prefix}.qweight": pack(q, 0 if scheme == "gptq" else 1), f"{prefix}.qzeros": pack(zeros, 1),
+            f"{prefix}.scales": scale.squeeze(1).to(torch.float16).contiguous()}
 
 
 #: What each rank loads every family with: vLLM's default loader, fastload's per-rank plan and
@@ -343,6 +387,10 @@ def describe(family: str) -> str:
         base, scheme = QUANTIZED[family]
         if scheme == "int4":
             return f"compressed-tensors W4A16 int4 packed in int32, group size {GROUP} scales, of {base}"
+        if scheme in ("gptq", "awq"):
+            packed = "down the input dim" if scheme == "gptq" else "across the output dim"
+            return (f"{scheme.upper()} int4 (transposed, packed in int32 {packed}; zero points, fp16 group-{GROUP} "
+                    f"scales) of {base}")
         return f"compressed-tensors W8A8 {scheme} (per-channel weight scales) of {base}"
     return FAMILIES[family][2]
 

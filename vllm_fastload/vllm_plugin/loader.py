@@ -27,6 +27,7 @@ import vllm_fastload
 from vllm_fastload.config import FastloadConfig
 from vllm_fastload.errors import CheckpointError, ConfigError
 from vllm_fastload.plan import TensorRequest
+from vllm_fastload.readers.memory import Prefault
 from vllm_fastload.sources import is_remote
 from vllm_fastload.tensors import CASTABLE, dtype_of, shape_of
 from vllm_fastload.vllm_plugin.geometry import Geometry, plan_slabs
@@ -162,7 +163,10 @@ class FastloadModelLoader(BaseModelLoader):
                 yield name, tensor
 
         try:
-            loaded = model.load_weights(weights())
+            # vLLM copies each tensor into its parameter: fresh parameter pages are faulted in
+            # ahead of it on another thread, as the per-rank path does before reading into them.
+            with Prefault(p.data for p in model.parameters()):
+                loaded = model.load_weights(weights())
         except CheckpointError:
             raise
         except Exception as exc:

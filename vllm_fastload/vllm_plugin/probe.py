@@ -16,6 +16,7 @@ tensor in full and calls ``load_weights`` for real, exactly like vLLM's default 
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -126,6 +127,7 @@ class _MemoryIndex:
         spans.sort()
         self._starts = [s[0] for s in spans]
         self._spans = spans
+        self._first = {name: lo for lo, _, name in spans}
 
     def owner(self, t: torch.Tensor, refresh: bool = False) -> str | None:
         """``refresh``: look again at the model when not found, for parameters registered inside
@@ -138,6 +140,10 @@ class _MemoryIndex:
             found = self._lookup(t.data_ptr())
         return found
 
+    def start(self, name: str) -> int:
+        """The first byte of the parameter or buffer ``name`` (as indexed)."""
+        return self._first[name]
+
     def _lookup(self, ptr: int) -> str | None:
         i = bisect.bisect_right(self._starts, ptr) - 1
         if i >= 0 and ptr < self._spans[i][1]:
@@ -148,6 +154,41 @@ class _MemoryIndex:
 def _span(t: torch.Tensor) -> tuple[int, int]:
     extent = sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1 if t.numel() else 0
     return t.data_ptr(), t.data_ptr() + extent * t.element_size()
+
+
+def _box(t: torch.Tensor, origin: int) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]] | None:
+    """``t``'s elements as a box in the grid its strides draw over memory from ``origin`` (the
+    parameter's first byte): (byte strides, per-dim [start, stop) coordinates), or None where it
+    is not one (strides not nested, a row that wraps).
+
+    A fused parameter stored transposed (GPTQ's ``qweight`` is (in, out)) takes its shards as
+    column blocks: their byte spans interleave, yet as boxes they are disjoint.
+    """
+    dims = [(n, s * t.element_size()) for n, s in zip(t.shape, t.stride()) if n != 1]
+    if not dims or dims[-1][1] != t.element_size():
+        return None
+    strides = tuple(s for _, s in dims)
+    if any(outer <= 0 or outer % inner for outer, inner in itertools.pairwise(strides)):
+        return None
+    rest, box = t.data_ptr() - origin, []
+    for i, (n, stride) in enumerate(dims):
+        start, rest = divmod(rest, stride)
+        if i and start + n > strides[i - 1] // stride:
+            return None  # crosses into the next row of the dim above: not a box
+        box.append((start, start + n))
+    return strides, tuple(box)
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor, origin: int) -> bool:
+    """Whether two views of one parameter share an element: exact for boxes in one grid (see
+    ``_box``), else judged by their byte spans (which may say yes for interleaved regions)."""
+    span_a, span_b = _span(a), _span(b)
+    if not (span_a[0] < span_b[1] and span_b[0] < span_a[1]):
+        return False
+    box_a, box_b = _box(a, origin), _box(b, origin)
+    if box_a is None or box_b is None or box_a[0] != box_b[0]:
+        return True
+    return all(lo_a < hi_b and lo_b < hi_a for (lo_a, hi_a), (lo_b, hi_b) in zip(box_a[1], box_b[1]))
 
 
 #: Torch functions whose every output element is a copy of one input element chosen by shapes and
@@ -216,7 +257,8 @@ class _Recorder(TorchFunctionMode):
         self.memory = memory
         self.result = result
         #: parameter -> [(span, destination geometry, the copy that wrote it or None for a fill)]
-        self.written: dict[str, list[tuple[tuple[int, int], tuple, Placement | None]]] = {}
+        #: parameter -> (region written, its address/shape/strides, the placement that wrote it)
+        self.written: dict[str, list[tuple[torch.Tensor, tuple, Placement | None]]] = {}
 
     def _source(self, t: torch.Tensor) -> str | None:
         key = t.untyped_storage()._cdata
@@ -342,20 +384,19 @@ class _Recorder(TorchFunctionMode):
         still exact: a copy into exactly the region (same address, shape and strides) an earlier
         copy wrote replaces it, as the last write wins in the loader too (quantized layers write
         a fused parameter's ``weight_shape`` once per shard)."""
-        span = _span(dest)
-        geometry = (tuple(dest.shape), tuple(dest.stride()))
+        region = (dest.data_ptr(), tuple(dest.shape), tuple(dest.stride()))
         entries = self.written.setdefault(owner, [])
-        for k, (other, other_geometry, earlier) in enumerate(entries):
-            if span[0] < other[1] and other[0] < span[1]:
-                if placement is not None and earlier is not None and other == span and other_geometry == geometry:
+        for k, (other, other_region, earlier) in enumerate(entries):
+            if _overlap(dest, other, self.memory.start(owner)):
+                if placement is not None and earlier is not None and other_region == region:
                     self.result.placements[earlier.source].remove(earlier)
                     if not self.result.placements[earlier.source]:
                         del self.result.placements[earlier.source]
-                    entries[k] = (span, geometry, placement)
+                    entries[k] = (dest, region, placement)
                     return True
                 self.result.unsupported.append(overlap_reason)
                 return False
-        entries.append((span, geometry, placement))
+        entries.append((dest, region, placement))
         self.result.covered[owner] = self.result.covered.get(owner, 0) + dest.numel()
         return True
 
