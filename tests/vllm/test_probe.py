@@ -263,3 +263,53 @@ def test_column_blocks_of_a_transposed_fused_parameter_are_disjoint_writes():
     assert not result.partly_written()
     clash = probe_model(Transposed(4), tensors)  # columns 4..7 written twice
     assert clash.unsupported and "written twice in overlapping regions" in clash.unsupported[0]
+
+
+def test_a_write_through_another_dtype_at_the_same_address_is_an_overlap():
+    """Same address, shape and strides but another element size is not "the same region": the
+    second write covers only part of the first, so the probe must not let it replace the first."""
+
+    class Retyped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(4, dtype=torch.int32), requires_grad=False)
+
+        def load_weights(self, weights):
+            for name, t in weights:
+                (self.w.data if name == "a" else self.w.data.view(torch.uint8)[:4]).copy_(t)
+            return {"w"}
+
+    result = probe_model(Retyped(), {"a": ((4,), torch.int32), "b": ((4,), torch.uint8)})
+    assert result.unsupported and "written twice in overlapping regions" in result.unsupported[0]
+
+
+def test_box_overlap_matches_the_elements_shared():
+    """``_overlap`` against the truth (shared byte addresses) for random strided views of one
+    parameter, expanded (stride 0) ones included: it may say "overlap" when unsure, never "disjoint"
+    for views that share an element."""
+    import random
+
+    from vllm_fastload.vllm_plugin.probe import _overlap
+
+    rng = random.Random(0)
+    base = torch.zeros(6, 8, 10, dtype=torch.int16)
+    origin = base.data_ptr()
+
+    def view() -> torch.Tensor:
+        t = base
+        for dim in range(3):
+            start = rng.randrange(t.shape[dim])
+            t = t.narrow(dim, start, rng.randrange(1, t.shape[dim] - start + 1))
+        if rng.random() < 0.1:
+            t = t[:, :1].expand(t.shape[0], 3, t.shape[2])
+        return t
+
+    def addresses(t: torch.Tensor) -> set[int]:
+        index = torch.arange(base.numel()).view(base.shape)
+        picked = index.as_strided(t.shape, t.stride(), (t.data_ptr() - origin) // base.element_size())
+        return set(picked.flatten().tolist())
+
+    for _ in range(2000):
+        a, b = view(), view()
+        if addresses(a) & addresses(b):
+            assert _overlap(a, b, origin), (a.shape, a.stride(), b.shape, b.stride())

@@ -116,7 +116,8 @@ _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "dow
 def build_quantized(name: str, root: Path) -> Path:
     """A quantized checkpoint of a zoo family, several shards: compressed-tensors W8A8 (int8 or fp8
     weights, one scale per output channel, dynamic per-token activations) or W4A16, or the GPTQ
-    or AWQ int4 layout (as AutoGPTQ / AutoAWQ write it)."""
+    or AWQ int4 layout (AutoGPTQ's / AutoAWQ's tensors; GPTQ without ``g_idx``, which vLLM 0.32 has
+    no parameter for)."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -255,7 +256,8 @@ def _int4_layout(scheme: str, prefix: str, w) -> dict:
         packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
         return packed.movedim(-1, dim).contiguous()
 
-    zeros = torch.full((in_f // GROUP, out_f), 8 if scheme == "awq" else 7, dtype=torch.int64)
+    # Zero points vary (a constant would load the same whatever block a rank took).
+    zeros = torch.randint(0, 16, (in_f // GROUP, out_f), generator=torch.Generator().manual_seed(out_f + in_f))
     return {f"{prefix}.qweight": pack(q, 0 if scheme == "gptq" else 1), f"{prefix}.qzeros": pack(zeros, 1),
             f"{prefix}.scales": scale.squeeze(1).to(torch.float16).contiguous()}
 

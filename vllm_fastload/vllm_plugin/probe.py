@@ -168,7 +168,7 @@ def _box(t: torch.Tensor, origin: int) -> tuple[tuple[int, ...], tuple[tuple[int
     if not dims or dims[-1][1] != t.element_size():
         return None
     strides = tuple(s for _, s in dims)
-    if any(outer <= 0 or outer % inner for outer, inner in itertools.pairwise(strides)):
+    if any(s <= 0 for s in strides) or any(outer % inner for outer, inner in itertools.pairwise(strides)):
         return None
     rest, box = t.data_ptr() - origin, []
     for i, (n, stride) in enumerate(dims):
@@ -176,6 +176,8 @@ def _box(t: torch.Tensor, origin: int) -> tuple[tuple[int, ...], tuple[tuple[int
         if i and start + n > strides[i - 1] // stride:
             return None  # crosses into the next row of the dim above: not a box
         box.append((start, start + n))
+    if rest:
+        return None  # not on an element boundary of the grid (torch keeps views aligned; be sure)
     return strides, tuple(box)
 
 
@@ -256,8 +258,8 @@ class _Recorder(TorchFunctionMode):
         self.views: dict[tuple, Geometry | None] = {}
         self.memory = memory
         self.result = result
-        #: parameter -> [(span, destination geometry, the copy that wrote it or None for a fill)]
-        #: parameter -> (region written, its address/shape/strides, the placement that wrote it)
+        #: parameter -> [(region written, its address/dtype/shape/strides, the copy that wrote it or
+        #: None for a fill)]
         self.written: dict[str, list[tuple[torch.Tensor, tuple, Placement | None]]] = {}
 
     def _source(self, t: torch.Tensor) -> str | None:
@@ -384,7 +386,7 @@ class _Recorder(TorchFunctionMode):
         still exact: a copy into exactly the region (same address, shape and strides) an earlier
         copy wrote replaces it, as the last write wins in the loader too (quantized layers write
         a fused parameter's ``weight_shape`` once per shard)."""
-        region = (dest.data_ptr(), tuple(dest.shape), tuple(dest.stride()))
+        region = (dest.data_ptr(), dest.dtype, tuple(dest.shape), tuple(dest.stride()))
         entries = self.written.setdefault(owner, [])
         for k, (other, other_region, earlier) in enumerate(entries):
             if _overlap(dest, other, self.memory.start(owner)):
