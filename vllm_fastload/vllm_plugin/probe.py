@@ -181,16 +181,33 @@ def _box(t: torch.Tensor, origin: int) -> tuple[tuple[int, ...], tuple[tuple[int
     return strides, tuple(box)
 
 
+@dataclass(frozen=True)
+class _Region:
+    """Where one write lands in its parameter, worked out once per write: its byte span, its box
+    (see ``_box``) and what makes two writes "the same region" (address, dtype, shape, strides)."""
+
+    span: tuple[int, int]
+    box: tuple[tuple[int, ...], tuple[tuple[int, int], ...]] | None
+    key: tuple
+
+    @classmethod
+    def of(cls, t: torch.Tensor, origin: int) -> _Region:
+        return cls(_span(t), _box(t, origin), (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride())))
+
+    def overlaps(self, other: _Region) -> bool:
+        """Exact for boxes in one grid, else judged by the byte spans (which may say yes for
+        interleaved regions, never no for shared ones)."""
+        (lo, hi), (other_lo, other_hi) = self.span, other.span
+        if not (lo < other_hi and other_lo < hi):
+            return False
+        if self.box is None or other.box is None or self.box[0] != other.box[0]:
+            return True
+        return all(lo_a < hi_b and lo_b < hi_a for (lo_a, hi_a), (lo_b, hi_b) in zip(self.box[1], other.box[1]))
+
+
 def _overlap(a: torch.Tensor, b: torch.Tensor, origin: int) -> bool:
-    """Whether two views of one parameter share an element: exact for boxes in one grid (see
-    ``_box``), else judged by their byte spans (which may say yes for interleaved regions)."""
-    span_a, span_b = _span(a), _span(b)
-    if not (span_a[0] < span_b[1] and span_b[0] < span_a[1]):
-        return False
-    box_a, box_b = _box(a, origin), _box(b, origin)
-    if box_a is None or box_b is None or box_a[0] != box_b[0]:
-        return True
-    return all(lo_a < hi_b and lo_b < hi_a for (lo_a, hi_a), (lo_b, hi_b) in zip(box_a[1], box_b[1]))
+    """Whether two views of one parameter (starting at ``origin``) share an element."""
+    return _Region.of(a, origin).overlaps(_Region.of(b, origin))
 
 
 #: Torch functions whose every output element is a copy of one input element chosen by shapes and
@@ -258,9 +275,8 @@ class _Recorder(TorchFunctionMode):
         self.views: dict[tuple, Geometry | None] = {}
         self.memory = memory
         self.result = result
-        #: parameter -> [(region written, its address/dtype/shape/strides, the copy that wrote it or
-        #: None for a fill)]
-        self.written: dict[str, list[tuple[torch.Tensor, tuple, Placement | None]]] = {}
+        #: parameter -> [(region written, the copy that wrote it or None for a fill)]
+        self.written: dict[str, list[tuple[_Region, Placement | None]]] = {}
 
     def _source(self, t: torch.Tensor) -> str | None:
         key = t.untyped_storage()._cdata
@@ -386,19 +402,19 @@ class _Recorder(TorchFunctionMode):
         still exact: a copy into exactly the region (same address, shape and strides) an earlier
         copy wrote replaces it, as the last write wins in the loader too (quantized layers write
         a fused parameter's ``weight_shape`` once per shard)."""
-        region = (dest.data_ptr(), dest.dtype, tuple(dest.shape), tuple(dest.stride()))
+        region = _Region.of(dest, self.memory.start(owner))
         entries = self.written.setdefault(owner, [])
-        for k, (other, other_region, earlier) in enumerate(entries):
-            if _overlap(dest, other, self.memory.start(owner)):
-                if placement is not None and earlier is not None and other_region == region:
+        for k, (other, earlier) in enumerate(entries):
+            if region.overlaps(other):
+                if placement is not None and earlier is not None and other.key == region.key:
                     self.result.placements[earlier.source].remove(earlier)
                     if not self.result.placements[earlier.source]:
                         del self.result.placements[earlier.source]
-                    entries[k] = (dest, region, placement)
+                    entries[k] = (region, placement)
                     return True
                 self.result.unsupported.append(overlap_reason)
                 return False
-        entries.append((dest, region, placement))
+        entries.append((region, placement))
         self.result.covered[owner] = self.result.covered.get(owner, 0) + dest.numel()
         return True
 
