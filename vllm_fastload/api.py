@@ -14,7 +14,7 @@ from vllm_fastload.errors import InvalidRequestError
 from vllm_fastload.events import LoadProgress, resolve_callback
 from vllm_fastload.executor import LoadStats, PlanExecutor
 from vllm_fastload.format import Checkpoint, TensorInfo
-from vllm_fastload.plan import Plan, TensorRequest, build_plan, plan_tensor
+from vllm_fastload.plan import LayerGroup, Plan, TensorRequest, build_plan, plan_tensor
 from vllm_fastload.readers import Reader, make_reader
 from vllm_fastload.sources import fstype
 from vllm_fastload.tensors import CASTABLE, cast, torch_dtype, torch_shape
@@ -135,6 +135,7 @@ class FastCheckpoint:
     def read_into(self, targets: Mapping[RequestLike, torch.Tensor], *,
                   extra: Iterable[RequestLike] = (),
                   on_tensor: Callable[[str, torch.Tensor], object] | None = None,
+                  on_layer_end: Callable[[LayerGroup], object] | None = None,
                   quiet: bool = False) -> LoadStats:
         """Read each request straight into the caller's tensor (same shape; dtype equal or castable).
 
@@ -142,8 +143,10 @@ class FastCheckpoint:
         bytes directly (no intermediate copy); others are filled from a read buffer with
         ``copy_`` (which also converts the dtype, on the destination's device). Requests in
         ``extra`` are read in the same pass and handed to ``on_tensor(key, tensor)`` as views
-        (valid during the call). Layer events fire as in ``iter_tensors`` unless ``quiet``
-        (for callers that read piecemeal and track readiness themselves).
+        (valid during the call). ``on_layer_end(group)`` runs once a layer's tensors are all
+        delivered, before its layer event (e.g. to finish filling its parameters, see ``exchange``).
+        Layer events fire as in ``iter_tensors`` unless ``quiet`` (for callers that read piecemeal
+        and track readiness themselves).
         """
         requests: list[TensorRequest] = []
         by_key: dict[str, torch.Tensor] = {}
@@ -158,7 +161,7 @@ class FastCheckpoint:
                 direct[req.result_key] = dest
         requests += [TensorRequest(r) if isinstance(r, str) else r for r in extra]
         plan = self.plan(requests, dests=direct)
-        for planned, tensor in self._execute(plan, quiet=quiet):
+        for planned, tensor in self._execute(plan, quiet=quiet, on_layer_end=on_layer_end):
             if planned.dest is not None:
                 continue
             dest = by_key.get(planned.key)
@@ -208,14 +211,15 @@ class FastCheckpoint:
             self._pool = BufferPool(reader.allocate, budget, min_size=int(self.config.aggregate_size))
         return self._pool
 
-    def _execute(self, plan: Plan, *, quiet: bool = False):
+    def _execute(self, plan: Plan, *, quiet: bool = False,
+                 on_layer_end: Callable[[LayerGroup], object] | None = None):
         """Run a plan; ``quiet`` (single-tensor reads) skips the bar and the layer callbacks."""
         progress = None if quiet else LoadProgress(
             total_bytes=plan.read_bytes, total_layers=len(plan.groups), callbacks=self.config.on_layer_ready,
             show_bar=self.show_progress, log_layers=self.config.log_layers)
         executor = PlanExecutor(self.checkpoint, self.reader, self._pool_for(), self.config)
         try:
-            yield from executor.run(plan, progress)
+            yield from executor.run(plan, progress, on_layer_end)
         finally:
             if progress is not None:
                 progress.close()

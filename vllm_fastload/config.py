@@ -103,6 +103,12 @@ class FastloadConfig(BaseSettings):
                                 "only this rank's bytes straight into the parameters. false: read every "
                                 "tensor whole and hand it to the model's load_weights, as vLLM's default "
                                 "loader does (an escape hatch; each rank then reads the whole checkpoint).")
+    row_exchange: Literal["auto", "always", "never"] = Field(
+        "auto", description="vLLM loader at TP>1: ranks that each take a column slice of a tensor "
+        "(row-parallel weights) read disjoint blocks of whole rows instead and swap the columns over "
+        "the tensor-parallel group, so that each byte is fetched once per group in large reads. "
+        "'auto': for object stores (one request per row otherwise); 'always': for every source; "
+        "'never': each rank reads its own columns.")
     map_cached: bool = Field(True, description="host backend: iter_tensors hands out tensors that are (mostly) "
                              "in the page cache of a local file, and with direct_io 'never' all of them, as "
                              "views of a private mapping of the file (as safetensors' safe_open does) "

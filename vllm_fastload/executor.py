@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +21,7 @@ from vllm_fastload.config import FastloadConfig
 from vllm_fastload.errors import CheckpointError
 from vllm_fastload.events import LoadProgress
 from vllm_fastload.format import Checkpoint
-from vllm_fastload.plan import Chunk, Plan, PlannedTensor
+from vllm_fastload.plan import Chunk, LayerGroup, Plan, PlannedTensor
 from vllm_fastload.readers import Pending, Reader
 from vllm_fastload.tensors import byte_view, torch_dtype, view_tensor
 
@@ -133,7 +133,9 @@ class PlanExecutor:
         self.max_in_flight = 3
         self.stats = LoadStats()
 
-    def run(self, plan: Plan, progress: LoadProgress | None = None) -> Iterator[tuple[PlannedTensor, torch.Tensor]]:
+    def run(self, plan: Plan, progress: LoadProgress | None = None,
+            on_layer_end: Callable[[LayerGroup], object] | None = None,
+            ) -> Iterator[tuple[PlannedTensor, torch.Tensor]]:
         """Yield ``(planned tensor, tensor)`` in plan order.
 
         For buffered chunks the tensor is a view into a pool buffer: valid as long as the
@@ -208,6 +210,8 @@ class PlanExecutor:
                             self.pool.release(previous)
                         previous, item.buffer = item.buffer, None
                     item = None
+                if on_layer_end is not None:
+                    on_layer_end(group)
                 if progress is not None:
                     progress.layer_done(group.key.layer, group.key.name, len(group.tensors), group.read_bytes)
         finally:

@@ -98,6 +98,9 @@ def test_tp2_from_s3_equals_default_loader(vllm_s3_env, s3, model_uri, checkpoin
     lines = summaries(fast["log"])
     assert sorted(lines) == [0, 1], fast["log"][-3000:]
     assert all(groups[5] == "host" for groups in lines.values())
+    # Objects share row-parallel reads between the ranks by default (row_exchange "auto").
+    shared = re.findall(r"fastload rank \d/2: .*; (\d+) sliced tensors read as whole rows shared", fast["log"])
+    assert len(shared) == 2 and all(int(n) > 0 for n in shared), fast["log"][-3000:]
     assert model_uri in fast["log"] or "load_format=fastload" in fast["log"]
 
     # What the store served for the weights, counted at the proxy: each rank its share only.
@@ -107,7 +110,8 @@ def test_tp2_from_s3_equals_default_loader(vllm_s3_env, s3, model_uri, checkpoin
     assert gets and all(r.range and r.range.startswith("bytes=") for r in gets), "whole-object GETs"
     assert {r.path.rsplit("/", 1)[-1] for r in gets} == {p.name for p in shards}
     per_rank = sum(r.body_bytes for r in gets) / 2
-    assert per_rank <= 0.6 * checkpoint_bytes, f"each rank was served {per_rank / checkpoint_bytes:.3f} of it"
+    # Half of every tensor but the few read whole on both ranks (norms, biases), and the headers.
+    assert per_rank <= 0.55 * checkpoint_bytes, f"each rank was served {per_rank / checkpoint_bytes:.3f} of it"
 
 
 def test_store_denying_reads_mid_load_stops_both_ranks(vllm_s3_env, s3, model_uri, tmp_path) -> None:

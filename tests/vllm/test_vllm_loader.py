@@ -37,9 +37,16 @@ def assert_ok(result: dict) -> None:
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_fastload_equals_default_loader(arch, tp, checkpoints, scenarios, tmp_path):
     extra, env = None, None
-    if arch == "llama-gqa" and tp == 2:
-        # The same run also proves user callbacks named by string fire on every rank.
-        extra = {"on_layer_ready": "hooks:record_layer"}
+    # Two of the TP=2 runs share row-parallel weights between the ranks (the row exchange, which
+    # object stores use by default) instead of each rank reading its columns of every row.
+    exchanged = tp == 2 and arch in ("llama-gqa", "mixtral")
+    if exchanged:
+        extra = {"row_exchange": "always"}
+    with_events = arch == "llama-gqa" and tp == 2
+    if with_events:
+        # The same run also proves user callbacks named by string fire on every rank, and only
+        # once a layer's exchanged columns have arrived (the digests below are taken after).
+        extra = {**extra, "on_layer_ready": "hooks:record_layer"}
         env = {"FASTLOAD_TEST_EVENTS": str(tmp_path / "events")}
     fast = scenarios.get(arch, checkpoints[arch], "fastload", tp, extra=extra, env=env)
     ref = scenarios.get(arch, checkpoints[arch], "safetensors", tp)
@@ -67,8 +74,16 @@ def test_fastload_equals_default_loader(arch, tp, checkpoints, scenarios, tmp_pa
             assert float(fraction) < 0.8, f"rank {rank} read {fraction} of the checkpoint"
             assert int(lines[rank][7]) > 0, "no sliced reads at TP=2"
     assert "reading every tensor in full" not in fast["log"]
+    shared = re.findall(r"fastload rank \d/2: .*; (\d+) sliced tensors read as whole rows shared with the other "
+                        r"1 rank\(s\) \(([\d.]+) MB sent in (\d+) exchanges", fast["log"])
+    if exchanged:
+        assert len(shared) == 2, fast["log"][-3000:]
+        # o_proj and down_proj (w2 of every expert for mixtral) of both layers went through it.
+        assert all(int(n) >= 2 and float(mb) > 0 and int(layers) == 2 for n, mb, layers in shared), shared
+    else:
+        assert not shared
 
-    if extra is not None:
+    if with_events:
         for rank in range(tp):
             events = [json.loads(line) for line in (tmp_path / f"events.{rank}").read_text().splitlines()]
             assert [e["name"] for e in events] == ["embeddings", "layer 0", "layer 1", "final"]

@@ -40,6 +40,8 @@ from vllm_fastload.tp_rules import rank_requests
 LOADERS: dict[str, tuple[str, dict | None]] = {
     "fastload": ("fastload", None),
     "fastload-buffered": ("fastload", {"direct_io": "never"}),
+    # Each rank reads its own columns of row-parallel weights (what fastload did before the row exchange).
+    "fastload-no-exchange": ("fastload", {"row_exchange": "never"}),
     # The path through the model's load_weights (whole tensors from iter_tensors), which fastload
     # takes where its probe cannot describe a model's loading.
     "fastload-whole": ("fastload", {"plan_per_rank": False}),
@@ -265,7 +267,8 @@ def run_bench(args: argparse.Namespace, model: str, source: str, wanted_targets:
         for row in rows:
             row["server_limit_gbps"] = statistics.median(s3.limits)
     print_table(rows)
-    bounds = {"disk_gbps": statistics.median(state.disk), "page_share_tp2": page_rounded_share(model, 2)}
+    bounds = {"disk_gbps": statistics.median(state.disk) if state.disk else None,
+              "page_share_tp2": page_rounded_share(model, 2) if source == "local" else None}
     verdicts = check_targets(rows, wanted_targets, bounds)
     print_verdicts(verdicts)
     out = Path(args.out)

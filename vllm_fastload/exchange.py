@@ -1,0 +1,259 @@
+"""Row exchange: ranks that each need a column slice of the same tensor read whole rows and swap columns.
+
+A row-parallel weight's slice on a rank is part of every row. From local files that is cheap
+(the page cache, row-wise ``preadv``), but an object store answers one range per request: a
+rank either pays one request per row or reads the rows whole, and at TP=2 the ranks then fetch
+the row-parallel weights twice over. Instead each rank of the group reads a contiguous block of
+whole rows (``row_requests``) and, once a layer is delivered, one ``all_to_all`` per layer sends
+every other rank the columns it takes from those rows. Every byte is fetched from the store
+once in the group, in large ranged GETs.
+
+Engine-independent: the group is any ``torch.distributed`` process group that runs
+``all_gather_object`` and ``all_to_all_single`` on host tensors (gloo); the vLLM loader passes
+its tensor-parallel CPU group. Every rank of the group must call ``agree`` once, and then run its
+read with the exchange's requests and hooks: the collectives happen in the same order on every
+rank because layers are read in the same order (``plan`` sorts them) and the tensors shared in
+a layer are exchanged in name order.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from vllm_fastload.errors import CheckpointError
+from vllm_fastload.format import TensorInfo
+from vllm_fastload.plan import LayerGroup, TensorRequest
+from vllm_fastload.tensors import dtype_of
+
+#: Result key suffix of a rank's whole-row read of a shared tensor.
+ROWS_SUFFIX = "#rows"
+
+
+@dataclass(frozen=True)
+class SharedTensor:
+    """One tensor every rank of the group slices along ``dim`` (>= 1), read as blocks of whole rows."""
+
+    name: str
+    shape: tuple[int, ...]
+    dim: int
+    #: Per group rank: ``(start, length)`` of the slice along ``dim`` that the rank keeps.
+    columns: tuple[tuple[int, int], ...]
+    #: Per group rank: ``(start, count)`` of the rows (dim 0) that the rank reads for everyone.
+    rows: tuple[tuple[int, int], ...]
+
+    def piece_numel(self, row_rank: int, column_rank: int) -> int:
+        """Elements of ``column_rank``'s slice inside ``row_rank``'s rows."""
+        shape = list(self.shape)
+        shape[0] = self.rows[row_rank][1]
+        shape[self.dim] = self.columns[column_rank][1]
+        return math.prod(shape)
+
+
+@dataclass
+class ExchangeStats:
+    tensors: int = 0
+    layers: int = 0
+    bytes_sent: int = 0
+    seconds: float = 0.0
+
+
+def _candidates(targets: Mapping[TensorRequest, torch.Tensor],
+                infos: Mapping[str, TensorInfo]) -> dict[str, tuple[tuple[int, ...], int, int, int]]:
+    """This rank's slices along a later dim, one per tensor: ``name -> (shape, dim, start, length)``.
+    A tensor asked for more than once is left to the plain read (no single slice to swap)."""
+    seen: dict[str, int] = {}
+    found: dict[str, tuple[tuple[int, ...], int, int, int]] = {}
+    for req in targets:
+        seen[req.name] = seen.get(req.name, 0) + 1
+        shape = tuple(infos[req.name].shape)
+        if req.dim is None or len(shape) < 2:
+            continue
+        dim = req.dim % len(shape)
+        if dim == 0:
+            continue  # a dim-0 slice is already one contiguous range
+        length = shape[dim] - req.start if req.length is None else req.length
+        found[req.name] = (shape, dim, req.start, length)
+    return {name: c for name, c in found.items() if seen[name] == 1}
+
+
+def _split_rows(count: int, world: int) -> tuple[tuple[int, int], ...]:
+    bounds = [count * q // world for q in range(world + 1)]
+    return tuple((bounds[q], bounds[q + 1] - bounds[q]) for q in range(world))
+
+
+def agree(group: object, rank: int, world: int, targets: Mapping[TensorRequest, torch.Tensor] | None,
+          infos: Mapping[str, TensorInfo]) -> RowExchange | None:
+    """Find, with every rank of ``group``, the tensors all of them slice along the same later dim.
+
+    Every rank must call this once (``targets`` None: this rank reads nothing by plan, e.g. it
+    falls back to whole reads; then no rank exchanges). Returns None when nothing is shared.
+    """
+    import torch.distributed as dist
+
+    mine = None if targets is None else _candidates(targets, infos)
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, mine, group=group)
+    if any(c is None for c in everyone):
+        return None
+    shared: dict[str, SharedTensor] = {}
+    for name in sorted(set.intersection(*(set(c) for c in everyone))):
+        shapes = {c[name][0] for c in everyone}
+        dims = {c[name][1] for c in everyone}
+        if len(shapes) != 1 or len(dims) != 1:
+            continue
+        shape, dim = everyone[0][name][0], everyone[0][name][1]
+        if shape[0] < world:
+            continue  # fewer rows than ranks: some rank would read nothing; not worth a special case
+        columns = tuple((c[name][2], c[name][3]) for c in everyone)
+        shared[name] = SharedTensor(name, shape, dim, columns, _split_rows(shape[0], world))
+    if not shared:
+        return None
+    dests = {req.name: dest for req, dest in targets.items() if req.name in shared}
+    return RowExchange(group, rank, world, shared, dests, infos)
+
+
+@dataclass
+class RowExchange:
+    """This rank's part of the exchange: its row reads, where the columns go, and the collectives.
+
+    Each layer's swap starts with a status round (every rank says whether it is still loading),
+    so that a rank whose read fails tells the others (``abort``) instead of leaving them waiting
+    in the swap: all ranks then stop with an error.
+    """
+
+    group: object
+    rank: int
+    world: int
+    shared: dict[str, SharedTensor]
+    #: This rank's destination (its column slice) of every shared tensor.
+    dests: dict[str, torch.Tensor]
+    infos: Mapping[str, TensorInfo]
+    stats: ExchangeStats = field(default_factory=ExchangeStats)
+    _outgoing: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    _done: set[str] = field(default_factory=set)
+    #: A collective failed half-way, or a peer reported its failure: no further collective.
+    _broken: bool = False
+
+    def owns(self, request: TensorRequest) -> bool:
+        """Whether ``request`` (one of this rank's slices) is delivered by the exchange instead."""
+        return request.name in self.shared
+
+    def row_requests(self) -> list[TensorRequest]:
+        """What this rank reads: its block of whole rows of every shared tensor."""
+        return [TensorRequest(name, dim=0, start=s.rows[self.rank][0], length=s.rows[self.rank][1],
+                              key=name + ROWS_SUFFIX) for name, s in self.shared.items()]
+
+    def take(self, key: str, rows: torch.Tensor) -> bool:
+        """``on_tensor`` hook: keep this rank's columns of its rows, set aside copies of the others'
+        (in host memory: ``rows`` is only valid during the call, and gloo sends host tensors).
+        False if ``key`` is not an exchange read."""
+        if not key.endswith(ROWS_SUFFIX) or key[:-len(ROWS_SUFFIX)] not in self.shared:
+            return False
+        s = self.shared[key[:-len(ROWS_SUFFIX)]]
+        first, count = s.rows[self.rank]
+        outgoing = []
+        for q, (start, length) in enumerate(s.columns):
+            piece = rows.narrow(s.dim, start, length)
+            if q == self.rank:
+                self.dests[s.name].narrow(0, first, count).copy_(piece)
+            else:
+                owned = torch.empty(piece.shape, dtype=piece.dtype, device="cpu")
+                owned.copy_(piece)
+                outgoing.append(owned.view(-1).view(torch.uint8))
+        self._outgoing[s.name] = outgoing
+        return True
+
+    def layer_done(self, group: LayerGroup) -> None:
+        """Swap the columns of the layer's shared tensors: one ``all_to_all`` for the layer."""
+        names = sorted({t.request.name for t in group.tensors if t.key.endswith(ROWS_SUFFIX)}
+                       & self.shared.keys())
+        if names:
+            self._swap(names)
+
+    def finish(self) -> None:
+        """Raise if a shared tensor was never exchanged (a read that did not run as planned)."""
+        missing = sorted(self.shared.keys() - self._done)
+        if missing:
+            info = self.infos[missing[0]]
+            raise CheckpointError(f"{len(missing)} tensors were read for the row exchange but never exchanged",
+                                  file=info.file, tensor=info.name)
+
+    def abort(self, error: BaseException) -> None:
+        """This rank stops loading: tell the ranks waiting in the next swap, so that they stop too.
+
+        Called by the loader when its read raises; nothing to do once every swap is done, or
+        when the failure came from the exchange itself (the peers know, or are gone).
+        """
+        if self._broken or not (self.shared.keys() - self._done):
+            return
+        self._broken = True
+        self._statuses(f"{type(error).__name__}: {error}"[:2000])
+
+    # -- internals ---------------------------------------------------------------------------
+    def _statuses(self, mine: str | None) -> list[str | None]:
+        import torch.distributed as dist
+
+        everyone: list = [None] * self.world
+        dist.all_gather_object(everyone, mine, group=self.group)
+        return everyone
+
+    def _swap(self, names: Sequence[str]) -> None:
+        import torch.distributed as dist
+
+        start = time.perf_counter()
+        for name in names:
+            if name not in self._outgoing:
+                info = self.infos[name]
+                raise CheckpointError("the layer ended before this rank's rows of the tensor were read",
+                                      file=info.file, tensor=name)
+        self._broken = True  # until this swap completes
+        failed = [(q, why) for q, why in enumerate(self._statuses(None)) if why is not None]
+        if failed:
+            q, why = failed[0]
+            info = self.infos[names[0]]
+            raise CheckpointError(f"rank {q} of the tensor-parallel group stopped loading, so the row exchange "
+                                  f"cannot go on: {why}", file=info.file, tensor=info.name)
+        sends: list[torch.Tensor] = []
+        send_sizes, recv_sizes = [], []
+        for q in range(self.world):
+            if q == self.rank:
+                send_sizes.append(0)
+                recv_sizes.append(0)
+                continue
+            slot = q if q < self.rank else q - 1
+            pieces = [self._outgoing[n][slot] for n in names]
+            sends += pieces
+            send_sizes.append(sum(p.numel() for p in pieces))
+            recv_sizes.append(sum(self._itemsize(n) * self.shared[n].piece_numel(q, self.rank) for n in names))
+        send = torch.cat(sends) if sends else torch.empty(0, dtype=torch.uint8)
+        recv = torch.empty(sum(recv_sizes), dtype=torch.uint8)
+        dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=self.group)
+        at = 0
+        for q in range(self.world):
+            if q == self.rank:
+                continue
+            for name in names:
+                s = self.shared[name]
+                first, count = s.rows[q]
+                shape = list(s.shape)
+                shape[0], shape[s.dim] = count, s.columns[self.rank][1]
+                nbytes = self._itemsize(name) * math.prod(shape)
+                piece = recv[at:at + nbytes].view(dtype_of(self.infos[name])).view(shape)
+                self.dests[name].narrow(0, first, count).copy_(piece)
+                at += nbytes
+        for name in names:
+            del self._outgoing[name]
+            self._done.add(name)
+        self._broken = False
+        self.stats.tensors += len(names)
+        self.stats.layers += 1
+        self.stats.bytes_sent += send.numel()
+        self.stats.seconds += time.perf_counter() - start
+
+    def _itemsize(self, name: str) -> int:
+        return dtype_of(self.infos[name]).itemsize
