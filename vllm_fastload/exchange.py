@@ -28,10 +28,16 @@ import torch
 from vllm_fastload.errors import CheckpointError
 from vllm_fastload.format import TensorInfo
 from vllm_fastload.plan import LayerGroup, TensorRequest
-from vllm_fastload.tensors import dtype_of
+from vllm_fastload.tensors import dtype_of, shape_of
 
 #: Result key suffix of a rank's whole-row read of a shared tensor.
 ROWS_SUFFIX = "#rows"
+#: Pieces are packed at this alignment in the swap buffers, so that each can be viewed as its dtype.
+PIECE_ALIGN = 16
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // PIECE_ALIGN) * PIECE_ALIGN
 
 
 @dataclass(frozen=True)
@@ -62,22 +68,27 @@ class ExchangeStats:
     seconds: float = 0.0
 
 
-def _candidates(targets: Mapping[TensorRequest, torch.Tensor],
-                infos: Mapping[str, TensorInfo]) -> dict[str, tuple[tuple[int, ...], int, int, int]]:
-    """This rank's slices along a later dim, one per tensor: ``name -> (shape, dim, start, length)``.
-    A tensor asked for more than once is left to the plain read (no single slice to swap)."""
+#: What a rank says of one tensor it slices: ``(torch shape, dtype, dim, start, length)``.
+Candidate = tuple[tuple[int, ...], str, int, int, int]
+
+
+def _candidates(targets: Mapping[TensorRequest, torch.Tensor], infos: Mapping[str, TensorInfo]) -> dict[str, Candidate]:
+    """This rank's slices along a later dim, one per tensor. Shapes in torch's units (an F4
+    tensor's last dim is packed), as the requests are. A tensor asked for more than once is left
+    to the plain read (no single slice to swap)."""
     seen: dict[str, int] = {}
-    found: dict[str, tuple[tuple[int, ...], int, int, int]] = {}
+    found: dict[str, Candidate] = {}
     for req in targets:
         seen[req.name] = seen.get(req.name, 0) + 1
-        shape = tuple(infos[req.name].shape)
+        info = infos[req.name]
+        shape = tuple(shape_of(info))
         if req.dim is None or len(shape) < 2:
             continue
         dim = req.dim % len(shape)
         if dim == 0:
             continue  # a dim-0 slice is already one contiguous range
         length = shape[dim] - req.start if req.length is None else req.length
-        found[req.name] = (shape, dim, req.start, length)
+        found[req.name] = (shape, info.dtype, dim, req.start, length)
     return {name: c for name, c in found.items() if seen[name] == 1}
 
 
@@ -95,21 +106,24 @@ def agree(group: object, rank: int, world: int, targets: Mapping[TensorRequest, 
     """
     import torch.distributed as dist
 
-    mine = None if targets is None else _candidates(targets, infos)
     everyone: list = [None] * world
+    try:
+        mine = None if targets is None else _candidates(targets, infos)
+    except BaseException:
+        dist.all_gather_object(everyone, None, group=group)  # the others must not wait for this rank
+        raise
     dist.all_gather_object(everyone, mine, group=group)
     if any(c is None for c in everyone):
         return None
     shared: dict[str, SharedTensor] = {}
     for name in sorted(set.intersection(*(set(c) for c in everyone))):
-        shapes = {c[name][0] for c in everyone}
-        dims = {c[name][1] for c in everyone}
-        if len(shapes) != 1 or len(dims) != 1:
+        # Same shape, dtype and dim on every rank (ranks reading different copies share nothing).
+        if len({c[name][:3] for c in everyone}) != 1:
             continue
-        shape, dim = everyone[0][name][0], everyone[0][name][1]
+        shape, _, dim = everyone[0][name][:3]
         if shape[0] < world:
             continue  # fewer rows than ranks: some rank would read nothing; not worth a special case
-        columns = tuple((c[name][2], c[name][3]) for c in everyone)
+        columns = tuple((c[name][3], c[name][4]) for c in everyone)
         shared[name] = SharedTensor(name, shape, dim, columns, _split_rows(shape[0], world))
     if not shared:
         return None
@@ -162,9 +176,10 @@ class RowExchange:
             if q == self.rank:
                 self.dests[s.name].narrow(0, first, count).copy_(piece)
             else:
-                owned = torch.empty(piece.shape, dtype=piece.dtype, device="cpu")
-                owned.copy_(piece)
-                outgoing.append(owned.view(-1).view(torch.uint8))
+                nbytes = piece.numel() * piece.element_size()
+                owned = torch.empty(_padded(nbytes), dtype=torch.uint8)
+                owned[:nbytes].view(piece.dtype).view(piece.shape).copy_(piece)
+                outgoing.append(owned)
         self._outgoing[s.name] = outgoing
         return True
 
@@ -211,13 +226,8 @@ class RowExchange:
                 info = self.infos[name]
                 raise CheckpointError("the layer ended before this rank's rows of the tensor were read",
                                       file=info.file, tensor=name)
-        self._broken = True  # until this swap completes
-        failed = [(q, why) for q, why in enumerate(self._statuses(None)) if why is not None]
-        if failed:
-            q, why = failed[0]
-            info = self.infos[names[0]]
-            raise CheckpointError(f"rank {q} of the tensor-parallel group stopped loading, so the row exchange "
-                                  f"cannot go on: {why}", file=info.file, tensor=info.name)
+        # Everything that can fail on this rank alone happens before or after the collectives,
+        # never between them, so that ``abort`` can still reach the others.
         sends: list[torch.Tensor] = []
         send_sizes, recv_sizes = [], []
         for q in range(self.world):
@@ -229,10 +239,23 @@ class RowExchange:
             pieces = [self._outgoing[n][slot] for n in names]
             sends += pieces
             send_sizes.append(sum(p.numel() for p in pieces))
-            recv_sizes.append(sum(self._itemsize(n) * self.shared[n].piece_numel(q, self.rank) for n in names))
+            recv_sizes.append(sum(_padded(self._piece_bytes(n, q)) for n in names))
         send = torch.cat(sends) if sends else torch.empty(0, dtype=torch.uint8)
         recv = torch.empty(sum(recv_sizes), dtype=torch.uint8)
+
+        self._broken = True  # until both collectives are through
+        failed = [(q, why) for q, why in enumerate(self._statuses(None)) if why is not None]
+        if failed:
+            q, why = failed[0]
+            info = self.infos[names[0]]
+            raise CheckpointError(f"rank {q} of the tensor-parallel group stopped loading, so the row exchange "
+                                  f"cannot go on: {why}", file=info.file, tensor=info.name)
         dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=self.group)
+        self._broken = False
+        for name in names:  # done for the others: an error below must not start another status round
+            del self._outgoing[name]
+            self._done.add(name)
+
         at = 0
         for q in range(self.world):
             if q == self.rank:
@@ -242,18 +265,18 @@ class RowExchange:
                 first, count = s.rows[q]
                 shape = list(s.shape)
                 shape[0], shape[s.dim] = count, s.columns[self.rank][1]
-                nbytes = self._itemsize(name) * math.prod(shape)
+                nbytes = self._piece_bytes(name, q)
                 piece = recv[at:at + nbytes].view(dtype_of(self.infos[name])).view(shape)
                 self.dests[name].narrow(0, first, count).copy_(piece)
-                at += nbytes
-        for name in names:
-            del self._outgoing[name]
-            self._done.add(name)
-        self._broken = False
+                at += _padded(nbytes)
         self.stats.tensors += len(names)
         self.stats.layers += 1
         self.stats.bytes_sent += send.numel()
         self.stats.seconds += time.perf_counter() - start
+
+    def _piece_bytes(self, name: str, row_rank: int) -> int:
+        """Bytes of this rank's columns in ``row_rank``'s rows of ``name``."""
+        return self._itemsize(name) * self.shared[name].piece_numel(row_rank, self.rank)
 
     def _itemsize(self, name: str) -> int:
         return dtype_of(self.infos[name]).itemsize

@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 import vllm_fastload
 from vllm_fastload import exchange
 from vllm_fastload.errors import CheckpointError
+from vllm_fastload.format import TensorInfo
 from vllm_fastload.plan import TensorRequest
 
 from ._util import random_tensor
@@ -30,6 +31,9 @@ os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 #: name -> (shape, dtype, sliced dim); the parent picks each rank's columns.
 TENSORS = {
+    # Sorted first in its layer, with odd byte counts per piece: the pieces after it (bf16, fp16)
+    # must still land on addresses their dtype can be viewed at.
+    "model.layers.0.a_odd.weight": ((7, 13), torch.int8, 1),
     "model.layers.0.mlp.down_proj.weight": ((37, 96), torch.bfloat16, 1),
     "model.layers.0.self_attn.o_proj.weight": ((64, 64), torch.float16, 1),
     "model.layers.1.mlp.down_proj.weight": ((5, 7, 33), torch.float32, 2),  # 3-D, last dim
@@ -166,6 +170,15 @@ def test_a_rank_failing_mid_read_stops_every_rank_with_its_reason(tmp_path) -> N
         error = results[rank]["error"]
         assert "CheckpointError: rank 1 of the tensor-parallel group stopped loading" in error, error
         assert "injected failure" in error and "model.layers.1." in error
+
+
+def test_candidates_count_f4_in_torch_units() -> None:
+    # Two F4 values per torch element: the rows, columns and byte counts the ranks swap are in
+    # the packed units the requests use, also for a slice along a middle dim.
+    info = TensorInfo("experts.w13", "m.safetensors", "F4", (3, 8, 16), 0, 3 * 8 * 16 // 2)
+    got = exchange._candidates({TensorRequest("experts.w13", dim=1, start=4, length=4): None},
+                               {"experts.w13": info})
+    assert got == {"experts.w13": ((3, 8, 8), "F4", 1, 4, 4)}
 
 
 def test_no_exchange_when_a_rank_reads_nothing_by_plan(tmp_path) -> None:

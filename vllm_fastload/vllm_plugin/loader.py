@@ -62,6 +62,14 @@ class FastloadModelLoader(BaseModelLoader):
         self._checkpoint_dir(model_config)  # an object URI is opened where it is, never downloaded
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
+        sharing = _Sharing()
+        try:
+            self._load(model, model_config, sharing)
+        except BaseException:
+            sharing.give_up()  # a rank that fails before agreeing still takes part (no-op after)
+            raise
+
+    def _load(self, model: nn.Module, model_config: ModelConfig, sharing: _Sharing) -> None:
         start = time.perf_counter()
         path = self._checkpoint_dir(model_config)
         device = _model_device(model)
@@ -71,33 +79,29 @@ class FastloadModelLoader(BaseModelLoader):
         with vllm_fastload.FastCheckpoint(path, config=self.config if self.config.plan_per_rank else whole,
                                           **open_kw) as ckpt:
             infos = {name: ckpt.info(name) for name in ckpt.keys()}
-            sharing = _Sharing(self.config, ckpt, infos)
-            try:
-                tensors = {name: (shape_of(info), dtype_of(info)) for name, info in infos.items()}
-                probe = (probe_model(model, tensors) if self.config.plan_per_rank else
-                         ProbeResult(unsupported=["plan_per_rank is false in the fastload config"]))
-                probe_s = time.perf_counter() - start
-                kept = None if probe.unsupported else _bytes_kept(probe, infos)
-                if probe.unsupported:
-                    sharing.agree(None)
-                    logger.warning("fastload: reading every tensor in full through load_weights on rank %d: %s",
-                                   rank, probe.unsupported[0])
-                    if not self.config.plan_per_rank or whole is self.config:  # opened with ``whole`` already
-                        loaded, summary = self._load_through_model(model, ckpt)
-                        backend = ckpt.reader.name
-                    else:
-                        with vllm_fastload.FastCheckpoint(path, config=whole, **open_kw) as again:
-                            loaded, summary = self._load_through_model(model, again)
-                            ckpt.last_stats, backend = again.last_stats, again.reader.name
-                else:
-                    _check_fully_written(probe, path)
-                    if world == 1:
-                        _check_fully_used(probe, infos)
-                    loaded, summary = self._load_direct(ckpt, probe, sharing)
+            sharing.decide(self.config, ckpt, infos)
+            tensors = {name: (shape_of(info), dtype_of(info)) for name, info in infos.items()}
+            probe = (probe_model(model, tensors) if self.config.plan_per_rank else
+                     ProbeResult(unsupported=["plan_per_rank is false in the fastload config"]))
+            probe_s = time.perf_counter() - start
+            kept = None if probe.unsupported else _bytes_kept(probe, infos)
+            if probe.unsupported:
+                sharing.agree(None)
+                logger.warning("fastload: reading every tensor in full through load_weights on rank %d: %s",
+                               rank, probe.unsupported[0])
+                if not self.config.plan_per_rank or whole is self.config:  # opened with ``whole`` already
+                    loaded, summary = self._load_through_model(model, ckpt)
                     backend = ckpt.reader.name
-            except BaseException:
-                sharing.agree(None)  # a rank that fails before agreeing still takes part (no-op after)
-                raise
+                else:
+                    with vllm_fastload.FastCheckpoint(path, config=whole, **open_kw) as again:
+                        loaded, summary = self._load_through_model(model, again)
+                        ckpt.last_stats, backend = again.last_stats, again.reader.name
+            else:
+                _check_fully_written(probe, path)
+                if world == 1:
+                    _check_fully_used(probe, infos)
+                loaded, summary = self._load_direct(ckpt, probe, sharing)
+                backend = ckpt.reader.name
             stats = ckpt.last_stats
         elapsed = time.perf_counter() - start
         nbytes = stats.bytes_read if stats else 0
@@ -167,7 +171,10 @@ class FastloadModelLoader(BaseModelLoader):
             ckpt.read_into(targets, extra=slabs, on_tensor=replay, on_layer_end=swap.layer_done if swap else None)
         except BaseException as exc:
             if swap is not None:
-                swap.abort(exc)  # the other ranks stop at their next swap instead of waiting for this one
+                try:
+                    swap.abort(exc)  # the other ranks stop at their next swap instead of waiting for this one
+                except Exception as again:
+                    logger.warning("fastload: could not tell the other ranks that this one stopped: %s", again)
             raise
         skipped = len(ckpt.keys()) - len(probe.placements)
         summary = (f"{whole} whole and {sliced} sliced reads into parameters, {replayed} tensors read in "
@@ -250,18 +257,31 @@ class _Sharing:
     fetches the bytes both ranks read once and the swaps make the ranks wait for each other.)
     """
 
-    def __init__(self, config: FastloadConfig, ckpt: vllm_fastload.FastCheckpoint, infos: dict) -> None:
-        self.infos = infos
+    def __init__(self) -> None:
         self.group = _tp_group()
+        self.pending = self.group is not None
+        self.wanted = False
+        self.infos: dict = {}
+
+    def decide(self, config: FastloadConfig, ckpt: vllm_fastload.FastCheckpoint, infos: dict) -> None:
+        """Whether this rank offers to share, once the checkpoint is open."""
         mode = config.row_exchange
         self.wanted = config.plan_per_rank and (mode == "always" or (mode == "auto" and ckpt.checkpoint.is_remote))
-        self.pending = self.group is not None
+        self.infos = infos
 
     def agree(self, targets: dict | None) -> exchange.RowExchange | None:
         if not self.pending:
             return None
         self.pending = False
         return exchange.agree(*self.group, targets if self.wanted else None, self.infos)
+
+    def give_up(self) -> None:
+        """Agree to nothing if not agreed yet; a failure here (a peer already gone) is logged, so
+        that the error that stopped this rank is the one raised."""
+        try:
+            self.agree(None)
+        except Exception as exc:
+            logger.warning("fastload: could not tell the other ranks that this one stopped: %s", exc)
 
 
 def _tp_group() -> tuple | None:
