@@ -52,16 +52,18 @@ class SharedTensor:
     #: Per group rank: ``(start, count)`` of the rows (dim 0) that the rank reads for everyone.
     rows: tuple[tuple[int, int], ...]
 
-    def piece_numel(self, row_rank: int, column_rank: int) -> int:
-        """Elements of ``column_rank``'s slice inside ``row_rank``'s rows."""
+    def piece_shape(self, row_rank: int, column_rank: int) -> list[int]:
+        """Shape of ``column_rank``'s slice inside ``row_rank``'s rows."""
         shape = list(self.shape)
         shape[0] = self.rows[row_rank][1]
         shape[self.dim] = self.columns[column_rank][1]
-        return math.prod(shape)
+        return shape
 
 
 @dataclass
 class ExchangeStats:
+    """What one rank's exchange did, for the loader's summary line."""
+
     tensors: int = 0
     layers: int = 0
     bytes_sent: int = 0
@@ -263,10 +265,8 @@ class RowExchange:
             for name in names:
                 s = self.shared[name]
                 first, count = s.rows[q]
-                shape = list(s.shape)
-                shape[0], shape[s.dim] = count, s.columns[self.rank][1]
                 nbytes = self._piece_bytes(name, q)
-                piece = recv[at:at + nbytes].view(dtype_of(self.infos[name])).view(shape)
+                piece = recv[at:at + nbytes].view(dtype_of(self.infos[name])).view(s.piece_shape(q, self.rank))
                 self.dests[name].narrow(0, first, count).copy_(piece)
                 at += _padded(nbytes)
         self.stats.tensors += len(names)
@@ -276,7 +276,7 @@ class RowExchange:
 
     def _piece_bytes(self, name: str, row_rank: int) -> int:
         """Bytes of this rank's columns in ``row_rank``'s rows of ``name``."""
-        return self._itemsize(name) * self.shared[name].piece_numel(row_rank, self.rank)
+        return self._itemsize(name) * math.prod(self.shared[name].piece_shape(row_rank, self.rank))
 
     def _itemsize(self, name: str) -> int:
         return dtype_of(self.infos[name]).itemsize
