@@ -642,14 +642,21 @@ async def _discover(store: Store, root: ObjectURI) -> RemoteLayout:
         return RemoteLayout(root, [root.key])
     if root.family == "http":
         return await _discover_unlisted(store, root)
-    listing = await store.list_dir(root.key + "/" if root.key else "")
+    # The usual index is asked for together with the listing: one round trip fewer to open.
+    listing, usual = await asyncio.gather(store.list_dir(root.key + "/" if root.key else ""),
+                                          _from_index(store, root, INDEX_NAME), return_exceptions=True)
+    if isinstance(listing, BaseException):
+        raise listing
     names = {o.key.rsplit("/", 1)[-1]: o for o in listing}
     index = INDEX_NAME if INDEX_NAME in names else None
     if index is None:
         indexes = sorted(n for n in names if n.endswith(".safetensors.index.json"))
         index = indexes[0] if len(indexes) == 1 else None
     if index is not None:
-        layout = await _from_index(store, root, index)
+        # The answer for the usual index counts only if the listing has it (then its error too).
+        layout = await _from_index(store, root, index) if index != INDEX_NAME else usual
+        if isinstance(layout, BaseException):
+            raise layout
         for key in layout.keys:
             if key.rsplit("/", 1)[-1] not in names:
                 example = next(t for t, f in layout.weight_map.items() if root.child(f).key == key)
