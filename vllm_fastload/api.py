@@ -136,6 +136,7 @@ class FastCheckpoint:
                   extra: Iterable[RequestLike] = (),
                   on_tensor: Callable[[str, torch.Tensor], object] | None = None,
                   on_layer_end: Callable[[LayerGroup], object] | None = None,
+                  check: Callable[[Plan], object] | None = None,
                   quiet: bool = False) -> LoadStats:
         """Read each request straight into the caller's tensor (same shape; dtype equal or castable).
 
@@ -145,6 +146,7 @@ class FastCheckpoint:
         ``extra`` are read in the same pass and handed to ``on_tensor(key, tensor)`` as views
         (valid during the call). ``on_layer_end(group)`` runs once a layer's tensors are all
         delivered, before its layer event (e.g. to finish filling its parameters, see ``exchange``).
+        ``check(plan)`` runs on the plan before anything is read; what it raises stops the read.
         Layer events fire as in ``iter_tensors`` unless ``quiet`` (for callers that read piecemeal
         and track readiness themselves).
         """
@@ -161,6 +163,8 @@ class FastCheckpoint:
                 direct[req.result_key] = dest
         requests += [TensorRequest(r) if isinstance(r, str) else r for r in extra]
         plan = self.plan(requests, dests=direct)
+        if check is not None:
+            check(plan)
         for planned, tensor in self._execute(plan, quiet=quiet, on_layer_end=on_layer_end):
             if planned.dest is not None:
                 continue

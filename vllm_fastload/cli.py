@@ -29,6 +29,12 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(args.model, tp=args.tp, serve=not args.no_serve)
 
 
+def _verify(args: argparse.Namespace) -> int:
+    from vllm_fastload.tools.verify import main
+
+    return main(args)
+
+
 def _make_checkpoint(args: argparse.Namespace) -> int:
     from vllm_fastload.tools.checkpoints import write_checkpoint
 
@@ -72,6 +78,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--no-serve", action="store_true", help="only the engine-free load")
     p.set_defaults(func=_demo)
+
+    p = sub.add_parser("verify", help="load checkpoints with vLLM's default loader and with fastload on every rank "
+                       "and compare every parameter and buffer; exit 1 on any difference")
+    p.add_argument("model", nargs="+", help="checkpoint directories (or Hugging Face names vLLM can download)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (one process per rank)")
+    p.add_argument("--dtype", default="auto", help="as vLLM's --dtype")
+    p.add_argument("--fastload-config", default=None, metavar="JSON",
+                   help="fastload's --model-loader-extra-config to verify (default: the defaults users get)")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds before a rank still running is stopped")
+    p.add_argument("--verbose", action="store_true", help="print the traceback of a checkpoint that failed to load")
+    p.set_defaults(func=_verify)
 
     p = sub.add_parser("make-checkpoint", help="write a random Hugging Face checkpoint")
     p.add_argument("directory")

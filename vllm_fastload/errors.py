@@ -72,5 +72,10 @@ class AccessDeniedError(CheckpointError):
     """The object store refused the request: credentials missing, wrong or expired, or lacking permission."""
 
 
+class PlanError(CheckpointError):
+    """fastload's own plan for a rank failed a check before or while it ran: a bug in fastload, not
+    in the checkpoint. The message names the parameter; ``plan_per_rank: false`` loads without the plan."""
+
+
 class StoreUnavailableError(ReadError):
     """The object store could not be reached, or kept failing (timeouts, throttling, 5xx) past the retry limit."""

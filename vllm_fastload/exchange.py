@@ -8,9 +8,9 @@ whole rows (``row_requests``) and, once a layer is delivered, one ``all_to_all``
 every other rank the columns it takes from those rows. Every byte is fetched from the store
 once in the group, in large ranged GETs.
 
-Engine-independent: the group is any ``torch.distributed`` process group that runs
-``all_gather_object`` and ``all_to_all_single`` on host tensors (gloo); the vLLM loader passes
-its tensor-parallel CPU group. Every rank of the group must call ``agree`` once, and then run its
+Engine-independent: the ranks talk through ``Collectives``, over any ``torch.distributed``
+process group that runs ``all_gather_object`` and ``all_to_all_single`` on host tensors (gloo);
+the vLLM loader passes its tensor-parallel CPU group. Every rank of the group must call ``agree`` once, and then run its
 read with the exchange's requests and hooks: the collectives happen in the same order on every
 rank because layers are read in the same order (``plan`` sorts them) and the tensors shared in
 a layer are exchanged in name order.
@@ -94,27 +94,46 @@ def _candidates(targets: Mapping[TensorRequest, torch.Tensor], infos: Mapping[st
     return {name: c for name, c in found.items() if seen[name] == 1}
 
 
+class Collectives:
+    """The two collectives the exchange runs, over a ``torch.distributed`` group of host tensors."""
+
+    def __init__(self, group: object, rank: int, world: int) -> None:
+        self.group, self.rank, self.world = group, rank, world
+
+    def all_gather_object(self, obj: object) -> list:
+        """Every rank's ``obj``, in rank order."""
+        import torch.distributed as dist
+
+        everyone: list = [None] * self.world
+        dist.all_gather_object(everyone, obj, group=self.group)
+        return everyone
+
+    def all_to_all(self, recv: torch.Tensor, send: torch.Tensor, recv_sizes: list[int], send_sizes: list[int]) -> None:
+        """``send[...]`` split by ``send_sizes`` to the ranks in order; ``recv`` split by ``recv_sizes`` from them."""
+        import torch.distributed as dist
+
+        dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=self.group)
+
+
 def _split_rows(count: int, world: int) -> tuple[tuple[int, int], ...]:
     bounds = [count * q // world for q in range(world + 1)]
     return tuple((bounds[q], bounds[q + 1] - bounds[q]) for q in range(world))
 
 
-def agree(group: object, rank: int, world: int, targets: Mapping[TensorRequest, torch.Tensor] | None,
+def agree(collectives: Collectives, targets: Mapping[TensorRequest, torch.Tensor] | None,
           infos: Mapping[str, TensorInfo]) -> RowExchange | None:
-    """Find, with every rank of ``group``, the tensors all of them slice along the same later dim.
+    """Find, with every rank of the group, the tensors all of them slice along the same later dim.
 
     Every rank must call this once (``targets`` None: this rank reads nothing by plan, e.g. it
     falls back to whole reads; then no rank exchanges). Returns None when nothing is shared.
     """
-    import torch.distributed as dist
-
-    everyone: list = [None] * world
+    world = collectives.world
     try:
         mine = None if targets is None else _candidates(targets, infos)
     except BaseException:
-        dist.all_gather_object(everyone, None, group=group)  # the others must not wait for this rank
+        collectives.all_gather_object(None)  # the others must not wait for this rank
         raise
-    dist.all_gather_object(everyone, mine, group=group)
+    everyone = collectives.all_gather_object(mine)
     if any(c is None for c in everyone):
         return None
     shared: dict[str, SharedTensor] = {}
@@ -130,7 +149,7 @@ def agree(group: object, rank: int, world: int, targets: Mapping[TensorRequest, 
     if not shared:
         return None
     dests = {req.name: dest for req, dest in targets.items() if req.name in shared}
-    return RowExchange(group, rank, world, shared, dests, infos)
+    return RowExchange(collectives, shared, dests, infos)
 
 
 @dataclass
@@ -142,9 +161,7 @@ class RowExchange:
     in the swap: all ranks then stop with an error.
     """
 
-    group: object
-    rank: int
-    world: int
+    collectives: Collectives
     shared: dict[str, SharedTensor]
     #: This rank's destination (its column slice) of every shared tensor.
     dests: dict[str, torch.Tensor]
@@ -154,6 +171,14 @@ class RowExchange:
     _done: set[str] = field(default_factory=set)
     #: A collective failed half-way, or a peer reported its failure: no further collective.
     _broken: bool = False
+
+    @property
+    def rank(self) -> int:
+        return self.collectives.rank
+
+    @property
+    def world(self) -> int:
+        return self.collectives.world
 
     def owns(self, request: TensorRequest) -> bool:
         """Whether ``request`` (one of this rank's slices) is delivered by the exchange instead."""
@@ -213,15 +238,9 @@ class RowExchange:
 
     # -- internals ---------------------------------------------------------------------------
     def _statuses(self, mine: str | None) -> list[str | None]:
-        import torch.distributed as dist
-
-        everyone: list = [None] * self.world
-        dist.all_gather_object(everyone, mine, group=self.group)
-        return everyone
+        return self.collectives.all_gather_object(mine)
 
     def _swap(self, names: Sequence[str]) -> None:
-        import torch.distributed as dist
-
         start = time.perf_counter()
         for name in names:
             if name not in self._outgoing:
@@ -252,7 +271,7 @@ class RowExchange:
             info = self.infos[names[0]]
             raise CheckpointError(f"rank {q} of the tensor-parallel group stopped loading, so the row exchange "
                                   f"cannot go on: {why}", file=info.file, tensor=info.name)
-        dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=self.group)
+        self.collectives.all_to_all(recv, send, recv_sizes, send_sizes)
         self._broken = False
         for name in names:  # done for the others: an error below must not start another status round
             del self._outgoing[name]

@@ -18,7 +18,7 @@ import torch
 
 from vllm_fastload.buffers import Buffer, BufferPool
 from vllm_fastload.config import FastloadConfig
-from vllm_fastload.errors import CheckpointError
+from vllm_fastload.errors import CheckpointError, PlanError
 from vllm_fastload.events import LoadProgress
 from vllm_fastload.format import Checkpoint
 from vllm_fastload.plan import Chunk, LayerGroup, Plan, PlannedTensor
@@ -73,6 +73,9 @@ def _direct_calls(chunk: Chunk) -> list:
     calls: list = []
     for t, _ in chunk.tensors:
         dest = byte_view(t.dest)
+        if dest.numel() != t.needed_bytes:
+            raise PlanError(f"a read of {t.needed_bytes} bytes was given a {dest.numel()}-byte destination",
+                            file=t.info.file, tensor=t.key)
         if t.rows is not None:
             calls.append((t.rows, dest))  # one call per sliced tensor, not one per row
             continue
@@ -241,7 +244,8 @@ class PlanExecutor:
             calls = direct_calls
             self.stats.bytes_read += _direct_bytes(chunk)
         else:
-            calls = [(op.file_offset, op.length, buf.tensor[op.buf_offset:op.buf_offset + op.length])
+            calls = [(op.rows, buf.tensor[op.buf_offset:op.buf_offset + op.length]) if op.rows is not None else
+                     (op.file_offset, op.length, buf.tensor[op.buf_offset:op.buf_offset + op.length])
                      for op in chunk.ops]
             self.stats.bytes_read += sum(op.length for op in chunk.ops)
         self.stats.chunks += 1

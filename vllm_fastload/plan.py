@@ -24,7 +24,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllm_fastload.errors import InvalidRequestError
+from vllm_fastload.errors import InvalidRequestError, PlanError
 from vllm_fastload.format import Checkpoint, TensorInfo
 from vllm_fastload.layers import LayerKey, layer_key
 
@@ -166,11 +166,13 @@ class PlannedTensor:
 
 @dataclass
 class ReadOp:
-    """One read call: ``length`` bytes at ``file_offset`` into the chunk buffer at ``buf_offset``."""
+    """One read call: ``length`` bytes at ``file_offset`` into the chunk buffer at ``buf_offset``;
+    with ``rows``, a slice's segments (``length`` bytes in all) packed there instead."""
 
     file_offset: int
     length: int
     buf_offset: int
+    rows: Rows | None = None
 
 
 @dataclass
@@ -303,6 +305,21 @@ def plan_tensor(info: TensorInfo, request: TensorRequest, strided_min_skip: int)
                          view_strides=strides, rows=rows)
 
 
+def _check_inside(t: PlannedTensor) -> None:
+    """Every byte a request reads lies inside its tensor's bytes (ranges are in file order, so the
+    first and the last say it), and a contiguous read is exactly what it delivers."""
+    if not t.ranges:
+        return
+    lo = t.ranges[0][0]
+    hi = t.ranges[-1][0] + t.ranges[-1][1]
+    if lo < t.info.start or hi > t.info.start + t.info.nbytes or lo > hi:
+        raise PlanError(f"a read of bytes [{lo}, {hi}) falls outside the tensor's bytes "
+                        f"[{t.info.start}, {t.info.start + t.info.nbytes})", file=t.info.file, tensor=t.key)
+    if t.strategy in ("whole", "contiguous") and t.read_bytes != t.needed_bytes:
+        raise PlanError(f"a contiguous read of {t.read_bytes} bytes delivers {t.needed_bytes}",
+                        file=t.info.file, tensor=t.key)
+
+
 def _align(n: int) -> int:
     return -(-n // BUFFER_ALIGN) * BUFFER_ALIGN
 
@@ -311,13 +328,19 @@ def _element_align(t: PlannedTensor) -> int:
     return max(1, t.info.bits // 8)
 
 
+def _one_range(t: PlannedTensor) -> bool:
+    """Whether ``t`` is read as (at most) one range of the file, not as a slice's row segments."""
+    return t.rows is None or t.rows.gaps
+
+
 def _buffer_position(chunk: Chunk, t: PlannedTensor) -> int:
     """Where ``t`` goes in ``chunk``'s buffer: right after the previous read if it continues it
     in the file (so the two merge into one read call), else at the next aligned position."""
     last = chunk.ops[-1] if chunk.ops else None
     pos = chunk.nbytes
-    if not (last is not None and t.ranges and last.file_offset + last.length == t.ranges[0][0]
-            and pos % _element_align(t) == 0):
+    continues = (last is not None and last.rows is None and _one_range(t) and t.ranges
+                 and last.file_offset + last.length == t.ranges[0][0])
+    if not (continues and pos % _element_align(t) == 0):
         pos = _align(pos)
     return pos
 
@@ -351,9 +374,13 @@ def _build_chunks(tensors: Sequence[PlannedTensor], aggregate_size: int) -> list
             continue
         pos = _buffer_position(current, t)
         current.tensors.append((t, pos))
-        for offset, length in t.ranges:
+        if not _one_range(t):  # a slice read row by row: one call for all its rows
+            current.ops.append(ReadOp(t.rows.offset, t.read_bytes, pos, rows=t.rows))
+            pos += t.read_bytes
+        for offset, length in t.ranges if _one_range(t) else ():
             last = current.ops[-1] if current.ops else None
-            if last is not None and last.file_offset + last.length == offset and last.buf_offset + last.length == pos:
+            if (last is not None and last.rows is None and last.file_offset + last.length == offset
+                    and last.buf_offset + last.length == pos):
                 last.length += length
             else:
                 current.ops.append(ReadOp(offset, length, pos))
@@ -375,6 +402,7 @@ def build_plan(checkpoint: Checkpoint, requests: Iterable[TensorRequest | str], 
                                       file=checkpoint.source, tensor=req.result_key)
         seen.add(req.result_key)
         planned = plan_tensor(checkpoint.info(req.name), req, strided_min_skip)
+        _check_inside(planned)
         if dests is not None:
             planned.dest = dests.get(req.result_key)
         groups.setdefault(planned.layer, LayerGroup(planned.layer)).tensors.append(planned)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_fastload.errors import InvalidRequestError
+from vllm_fastload.errors import InvalidRequestError, PlanError
 from vllm_fastload.format import TensorInfo
 from vllm_fastload.plan import PlannedTensor
 
@@ -55,9 +55,19 @@ def torch_shape(t: PlannedTensor) -> tuple[int, ...]:
 def view_tensor(raw: torch.Tensor, t: PlannedTensor) -> torch.Tensor:
     """View the bytes read for ``t`` (uint8, 1-D, exactly ``t.read_bytes``) as the result tensor."""
     dtype = torch_dtype(t)
+    if raw.numel() != t.read_bytes:
+        raise PlanError(f"{raw.numel()} bytes were delivered for a read of {t.read_bytes}", file=t.info.file,
+                        tensor=t.key)
     typed = raw.view(dtype)
     if t.strategy == "enclosing":
-        return typed.as_strided(t.shape, t.view_strides)
+        shape = torch_shape(t)
+        # as_strided checks only the storage's bounds: the view must end inside these bytes, or
+        # it would show its neighbour's.
+        last = sum((n - 1) * s for n, s in zip(shape, t.view_strides)) if all(shape) else -1
+        if last >= typed.numel():
+            raise PlanError(f"a view of the enclosing rows reaches element {last} of {typed.numel()} read",
+                            file=t.info.file, tensor=t.key)
+        return typed.as_strided(shape, t.view_strides)
     return typed.view(torch_shape(t))
 
 
@@ -68,5 +78,11 @@ def cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 
 
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's memory as a flat uint8 tensor (same storage)."""
-    return tensor.reshape(-1).view(torch.uint8) if tensor.numel() else tensor.new_empty(0, dtype=torch.uint8)
+    """A contiguous tensor's memory as a flat uint8 tensor (same storage; a copy would take the
+    bytes read into it nowhere, so a non-contiguous tensor is refused)."""
+    if not tensor.numel():
+        return tensor.new_empty(0, dtype=torch.uint8)
+    if not tensor.is_contiguous():
+        raise ValueError(f"reads land in contiguous tensors only; got strides {list(tensor.stride())} "
+                         f"for shape {list(tensor.shape)}")
+    return tensor.view(-1).view(torch.uint8)

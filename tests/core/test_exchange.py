@@ -69,7 +69,7 @@ def _worker(rank: int, world: int, port: int, path: str, uneven: bool, cast: boo
                 want = torch.float32 if cast and dtype == torch.bfloat16 else dtype
                 targets[TensorRequest(name, dim=dim, start=start, length=length)] = torch.full(
                     dest_shape, 7, dtype=want)
-            swap = exchange.agree(dist.group.WORLD, rank, world, targets, infos)
+            swap = exchange.agree(exchange.Collectives(dist.group.WORLD, rank, world), targets, infos)
             read = {r: d for r, d in targets.items() if not swap.owns(r)}
             seen = []
 
@@ -204,7 +204,7 @@ def _agree_only(rank: int, port: int, path: str, out: str) -> None:
     with vllm_fastload.open(path, config={"progress": False}) as ckpt:
         infos = {"w": ckpt.info("w")}
         targets = None if rank == 1 else {TensorRequest("w", dim=1, start=0, length=2): torch.empty(4, 2)}
-        swap = exchange.agree(dist.group.WORLD, rank, 2, targets, infos)
+        swap = exchange.agree(exchange.Collectives(dist.group.WORLD, rank, 2), targets, infos)
     torch.save(swap, out)
     dist.destroy_process_group()
 

@@ -101,9 +101,10 @@ def test_row_ranges_are_the_list_they_stand_for(offset, seg, gap, count, index, 
 def test_default_cost_rule_comes_from_the_backend(one_file):
     root, _ = one_file
     with open_ckpt(root) as ckpt:
-        assert ckpt.strided_min_skip == ckpt.reader.default_strided_min_skip == 4096
-        # 32 bytes skipped per row is far below a page: read through.
-        assert planned(ckpt, TensorRequest("model.layers.0.a", 1, 4, 8)).strategy == "enclosing"
+        # The host reader moves a slice's rows without landing its gaps where the caller sees
+        # them (see host.read_rows), so its plans are exact: never the enclosing rows.
+        assert ckpt.strided_min_skip == ckpt.reader.default_strided_min_skip == 0
+        assert planned(ckpt, TensorRequest("model.layers.0.a", 1, 4, 8)).strategy == "strided"
     with open_ckpt(root, {"strided_min_skip": "1KiB"}) as ckpt:
         assert ckpt.strided_min_skip == 1024
 
@@ -221,6 +222,11 @@ def check_chunks(plan: Plan, aggregate: int) -> None:
             assert pos % itemsize == 0
             assert pos + t.read_bytes <= chunk.nbytes
             cursor = pos
+            if t.rows is not None and not t.rows.gaps:
+                # a slice read row by row: one op carries all its rows, packed at the tensor's position
+                assert any(op.rows == t.rows and op.buf_offset == pos and op.length == t.read_bytes
+                           for op in chunk.ops)
+                continue
             for offset, length in t.ranges:
                 # some op copies exactly these file bytes to exactly this buffer position
                 assert any(op.file_offset <= offset and offset + length <= op.file_offset + op.length
@@ -319,14 +325,18 @@ def test_tp2_rank1_reads_about_half(tmp_path: Path, skip: int):
 
 
 def test_tp2_rank1_with_the_default_cost_rule(tmp_path: Path):
-    # With the host default (4 KiB), tiny rows (256-512 bytes) of the row-parallel weights are
-    # read through; the rank still needs just half, and reads well under the whole checkpoint.
+    # With the host default, the row-parallel weights' column slices (o_proj and down_proj, 2
+    # layers) are read row by row: the rank reads exactly the half it needs.
     root = write_checkpoint(tmp_path / "ck", "tiny-llama")
     with open_ckpt(root) as ckpt:
         plan = ckpt.plan(tp_rank_requests("tiny-llama", rank=1, tp=2))
         assert plan.needed_bytes <= 0.55 * plan.checkpoint_bytes
+        assert plan.read_bytes == plan.needed_bytes
+        assert plan.strategy_counts().get("strided") == 4
+    with open_ckpt(root, {"strided_min_skip": "4KiB"}) as ckpt:  # rows of 256-512 bytes read through
+        plan = ckpt.plan(tp_rank_requests("tiny-llama", rank=1, tp=2))
         assert plan.read_bytes <= 0.65 * plan.checkpoint_bytes
-        assert plan.strategy_counts().get("enclosing") == 4   # o_proj and down_proj, 2 layers
+        assert plan.strategy_counts().get("enclosing") == 4
 
 
 def test_summary_mentions_totals_and_amplification(tmp_path: Path):

@@ -91,8 +91,8 @@ def test_short_reads_are_completed(wide, monkeypatch, config: dict):
 @pytest.mark.parametrize("config", [ROW_BY_ROW, THROUGH_GAPS])
 def test_cached_rows_are_copied_out_of_a_mapping(wide, monkeypatch, cached: bool, config: dict):
     """From the page cache a slice is one strided copy out of a mapping per batch of rows, with no
-    read calls at all; off the cache the plan's reads (row by row, or through the gaps), so the
-    disk gets only the rank's own pages."""
+    read calls at all; off the cache through the gaps (here 92 bytes: under a page, so every page
+    they touch holds a segment too and the disk reads nothing more), one ``preadv`` per batch."""
     path, w = wide
     real, reads, copies = os.preadv, [], []
     real_copy = mapped.copy_rows
@@ -118,13 +118,34 @@ def test_cached_rows_are_copied_out_of_a_mapping(wide, monkeypatch, cached: bool
     if cached:
         assert reads == [] and sum(r.count for r in copies) == ROWS
         assert all(r.offset % mmap.PAGESIZE for r in copies)  # the header puts rows off the page grid
-    elif config is THROUGH_GAPS:
+    else:
         per_call = base.IOV_MAX // 2   # rows per preadv: a segment and a gap each, the last gap left out
         batched = [n for n in reads if n > 1]  # not O_DIRECT's one-time probe of the descriptor
         assert copies == [] and len(batched) == -(-ROWS // per_call) and max(batched) == 2 * per_call - 1
         assert len(reads) - len(batched) <= 1
-    else:  # a call per row (and O_DIRECT's one-time probe of the descriptor)
-        assert copies == [] and len(reads) >= ROWS and set(reads) == {1}
+
+
+def test_uncached_rows_with_gaps_of_a_page_or_more_are_read_one_by_one(tmp_path, monkeypatch):
+    """Reading through a gap of a page or more would make the disk read pages the rank does not
+    need: off the cache, such a slice is read with a call per row (plus O_DIRECT's one-time probe)."""
+    rows, width = 40, 4096  # rows of 8 KiB; the slice takes 64 bytes of each
+    w = random_tensor((rows, width), torch.bfloat16, 11)
+    path = save(tmp_path / "m.safetensors", {NAME: w})
+    real, reads = os.preadv, []
+
+    def counting(fd, buffers, offset, *flags):
+        if not flags:
+            reads.append(len(buffers))
+        return real(fd, buffers, offset, *flags)
+
+    with open_ckpt(path, {"threads": 1}) as ckpt:
+        assert ckpt.plan([TensorRequest(NAME, 1, 8, 32)]).tensors[0].strategy == "strided"
+        monkeypatch.setattr(host, "_cached", lambda fd, offsets: False)
+        monkeypatch.setattr(os, "preadv", counting)
+        dest = torch.empty(rows, 32, dtype=torch.bfloat16)
+        ckpt.read_into({TensorRequest(NAME, 1, 8, 32): dest})
+    assert_bitexact(dest, w[:, 8:40])
+    assert len(reads) >= rows and set(reads) == {1}
 
 
 def _spy_on_copies(monkeypatch) -> list[bool]:

@@ -84,3 +84,16 @@ def rewrite(src: Path, dst: Path, change) -> Path:
     change(tensors)
     save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
     return dst
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The geometry property tests' totals: examples run per pattern and paths taken (see test_geometry)."""
+    geometry = sys.modules.get("tests.vllm.test_geometry")
+    if geometry is None or not geometry.EXAMPLES_RUN:
+        return
+    run = geometry.EXAMPLES_RUN
+    terminalreporter.write_sep("-", "geometry properties")
+    terminalreporter.write_line(f"{sum(run.values())} generated cases, each over every rank of its size: "
+                                + ", ".join(f"{k} {v}" for k, v in sorted(run.items())))
+    paths = sorted(geometry.PATHS_TAKEN.items())
+    terminalreporter.write_line("tensors per path: " + ", ".join(f"{k} {v}" for k, v in paths))

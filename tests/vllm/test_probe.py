@@ -1,5 +1,7 @@
 """The probe's view geometry, without starting vLLM: any view of a placeholder that a weight
-loader copies into a parameter must be reproduced exactly, as a sliced read or as a replay."""
+loader copies into a parameter must be reproduced exactly, as a sliced read or as a replay, by
+the same path the vLLM loader takes (``rank.load_rank``), with the reader's settings of users
+(the default) and of network filesystems and object stores (enclosing rows read through)."""
 
 from __future__ import annotations
 
@@ -12,9 +14,16 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 from torch import nn
 
-import vllm_fastload
-from vllm_fastload.vllm_plugin.geometry import plan_slabs
+from vllm_fastload.config import FastloadConfig
 from vllm_fastload.vllm_plugin.probe import probe_model
+from vllm_fastload.vllm_plugin.rank import load_rank
+
+#: The default, and enclosing rows read through their gaps (as on network filesystems).
+READERS = {"default": {}, "enclosing": {"strided_min_skip": 1 << 40}}
+
+
+def _config(reader: str) -> FastloadConfig:
+    return FastloadConfig.build({**READERS[reader], "progress": False})
 
 
 class TinyModel(nn.Module):
@@ -55,8 +64,9 @@ views = st.sampled_from([
 
 
 @settings(max_examples=40, deadline=None)
-@given(view=views, rows=st.integers(3, 9), cols=st.integers(6, 12), seed=st.integers(0, 2**16))
-def test_recorded_writes_reproduce_the_loader(tmp_path_factory, view, rows, cols, seed):
+@given(view=views, rows=st.integers(3, 9), cols=st.integers(6, 12), seed=st.integers(0, 2**16),
+       reader=st.sampled_from(sorted(READERS)))
+def test_recorded_writes_reproduce_the_loader(tmp_path_factory, view, rows, cols, seed, reader):
     path = tmp_path_factory.mktemp("probe") / "m.safetensors"
     gen = torch.Generator().manual_seed(seed)
     tensors = {"w": torch.randn(rows, cols, generator=gen), "norm": torch.randn(4, generator=gen)}
@@ -67,21 +77,13 @@ def test_recorded_writes_reproduce_the_loader(tmp_path_factory, view, rows, cols
     assert result.loaded_params == {"weight", "norm"}
     assert result.partly_written() == {}
 
-    with vllm_fastload.open(path, config={"progress": False}) as ckpt:
-        for name, placements in result.placements.items():
-            shape = tuple(tensors[name].shape)
-            for i, p in enumerate(placements):
-                req = p.request(shape, key=f"{name}#{i}")
-                if req is not None:
-                    ckpt.read_into({req: p.dest})
-                    continue
-                for slab in plan_slabs(shape, [p.view]):  # as the loader does: read a slab, replay
-                    whole = ckpt.get_tensor(name)
-                    region = whole if slab.dim is None else whole.narrow(slab.dim, slab.start, slab.length)
-                    for _, geometry in slab.members:
-                        p.replay(region.contiguous(), geometry)
+    model = TinyModel((rows, cols), view)
+    # As one rank of two: a rank takes part of a tensor by design (alone it would be a mismatch).
+    report = load_rank(model, str(path), _config(reader), rank=0, world=2)
+    assert report.planned and report.loaded == {"weight", "norm"}
     assert torch.equal(model.weight, view(tensors["w"]))
     assert torch.equal(model.norm, torch.cat([tensors["norm"][:2], torch.zeros(2)]))
+    assert report.bytes_read <= sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def test_unsupported_loading_is_detected():
@@ -171,29 +173,27 @@ class Parts(nn.Module):
 LAYOUTS = {"bloom": (_bloom_like, (24, 6)), "falcon": (_falcon_like, (32, 6)), "conv1d": (_conv1d_like, (6, 24))}
 
 
+@pytest.mark.parametrize("reader", sorted(READERS))
 @pytest.mark.parametrize("rank", [0, 1])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_derived_writes_read_only_their_slab(tmp_path, layout, rank):
+def test_derived_writes_read_only_their_slab(tmp_path, layout, rank, reader):
     fn, shape = LAYOUTS[layout]
     parts = functools.partial(fn, rank=rank)
     tensor = torch.randn(shape, generator=torch.Generator().manual_seed(rank))
     save_file({"w": tensor}, tmp_path / "m.safetensors")
-    model = Parts(shape, parts)
-    result = probe_model(model, {"w": (shape, tensor.dtype)})
+    result = probe_model(Parts(shape, parts), {"w": (shape, tensor.dtype)})
     assert not result.unsupported
     assert result.partly_written() == {}
-    placements = result.placements["w"]
-    slabs = plan_slabs(shape, [p.view for p in placements])
-    read = 0
-    with vllm_fastload.open(tmp_path / "m.safetensors", config={"progress": False}) as ckpt:
-        for slab in slabs:
-            region = ckpt.get_tensor("w") if slab.dim is None else tensor.narrow(slab.dim, slab.start, slab.length)
-            region = region.contiguous()
-            read += region.numel()
-            for i, view in slab.members:
-                placements[i].replay(region, view)
+    model = Parts(shape, parts)
+    report = load_rank(model, str(tmp_path), _config(reader), rank=rank, world=2)
+    assert report.planned and report.paths["slab"] == 1
     assert torch.equal(model.weight, torch.cat(parts(tensor)))
-    assert read == model.weight.numel(), f"read {read} elements for {model.weight.numel()}"
+    kept = model.weight.numel() * model.weight.element_size()
+    assert report.bytes_kept == kept
+    if reader == "default":  # rows read row by row: exactly what the rank keeps
+        assert report.bytes_read == kept, f"read {report.bytes_read} bytes for {kept}"
+    else:  # through the gaps, still never more than the tensor
+        assert kept <= report.bytes_read <= tensor.numel() * tensor.element_size()
 
 
 def test_a_reshape_that_is_no_strided_view_is_refused():

@@ -1,21 +1,34 @@
-"""Which bytes of a checkpoint tensor one recorded write needs, for writes that are not one narrow.
+"""Which part of a checkpoint tensor the recorded writes need, and how to replay them from what was read.
 
-A write's source is described as a strided view ``(shape, strides, offset)`` of the contiguous
-checkpoint tensor (the loader's transposes, reshapes, interleaves and concatenations of one
-tensor all reduce to that: see ``probe``). Here we find the smallest single-dim slab of the
-tensor that holds every element such a view touches, so that the reader reads only that slab,
-and re-express the view relative to the slab. Every step is exact or gives up (``None``), and
-giving up means reading the whole tensor, never a wrong byte.
+A write's source is a strided view ``(shape, strides, offset)`` of the contiguous checkpoint
+tensor (the loader's transposes, reshapes, interleaves and concatenations of one tensor all
+reduce to that: see ``probe``). ``plan_slabs`` picks single-dim slabs of the tensor
+(``tensor.narrow(dim, start, length)``) that hold every element the views touch, costed by the
+bytes the reader will really move, and never more than the tensor itself.
+
+A slab arrives in whatever layout the reader gives it: contiguous (whole rows, or a later dim
+read row by row) or a strided view of the enclosing rows (a later dim read through the gaps).
+So each view is kept as coordinates in its slab (``SlabView``) and built against the slab's
+actual strides when replayed, with the slab's shape and layout checked first. Every step is
+exact or gives up (``None``), and giving up means reading the whole tensor, never a wrong byte.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 Geometry = tuple[tuple[int, ...], tuple[int, ...], int]  # (shape, strides, offset) in elements
+#: ``read_cost(dim, start, length)``: bytes the reader moves for ``tensor.narrow(dim, start, length)``
+#: (``dim`` None: the whole tensor).
+ReadCost = Callable[[int | None, int, int], int]
+
+
+class LayoutError(ValueError):
+    """A slab did not arrive in a layout its views can be built on (a bug: never replayed)."""
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -65,9 +78,13 @@ class Box:
 
 def box(tensor_shape: tuple[int, ...], view: Geometry) -> Box | None:
     """Factor each view stride as ``step * tensor_stride[d]`` so that no coordinate overflows its
-    dim; then the view touches exactly a box of coordinates. ``None`` when it does not factor."""
+    dim; then the view touches exactly a box of coordinates. ``None`` when it does not factor.
+
+    The outermost dim whose stride divides the view's stride is the only candidate: for an inner
+    one the step would be at least that dim's size, so a second element would overflow it.
+    """
     shape, strides, offset = view
-    if not tensor_shape or any(n == 0 for n in tensor_shape):
+    if not tensor_shape or any(n == 0 for n in tensor_shape) or any(s < 0 for s in strides):
         return None
     full = contiguous_strides(tensor_shape)
     start = [offset // full[0]] + [(offset // full[d]) % tensor_shape[d] for d in range(1, len(full))]
@@ -92,85 +109,166 @@ def box(tensor_shape: tuple[int, ...], view: Geometry) -> Box | None:
     return Box(tuple(start), tuple(mapping), extent)
 
 
-def rebase(b: Box, view: Geometry, tensor_shape: tuple[int, ...], dim: int, lo: int, length: int) -> Geometry:
-    """The same view over the contiguous slab ``tensor.narrow(dim, lo, length)``."""
+@dataclass(frozen=True)
+class SlabView:
+    """One write's source as a view of its slab, built on the slab as it arrives.
+
+    ``axes`` (with ``start``): per view dim, the slab dim it walks and the step, which works for
+    any slab strides. Without them (a view of whole rows that wraps from one row into the next)
+    only ``flat`` describes it, which holds for a contiguous slab only.
+    """
+
+    slab_shape: tuple[int, ...]
+    shape: tuple[int, ...]
+    flat: Geometry                                    # over the slab laid out contiguously
+    start: tuple[int, ...] | None = None              # coordinates of the first element in the slab
+    axes: tuple[tuple[int, int], ...] | None = None   # per view dim: (slab dim, step); (-1, 0): size 1 or stride 0
+
+    def on(self, slab: torch.Tensor) -> torch.Tensor:
+        """The view over ``slab``; ``LayoutError`` if the slab is not the one this view was planned on."""
+        if tuple(slab.shape) != self.slab_shape:
+            raise LayoutError(f"the slab read has shape {list(slab.shape)}, planned {list(self.slab_shape)}")
+        if self.axes is not None:
+            strides = slab.stride()
+            view_strides = tuple(step * strides[d] if d >= 0 else 0 for d, step in self.axes)
+            offset = sum(c * s for c, s in zip(self.start, strides))
+        elif slab.is_contiguous():
+            _, view_strides, offset = self.flat
+        else:
+            raise LayoutError(f"a view that wraps across rows needs a contiguous slab; the slab read has strides "
+                              f"{list(slab.stride())} for shape {list(slab.shape)}")
+        return slab.as_strided(self.shape, view_strides, slab.storage_offset() + offset)
+
+
+def slab_view(tensor_shape: tuple[int, ...], view: Geometry, dim: int | None, lo: int, length: int) -> SlabView | None:
+    """``view`` (over the whole tensor) as a view of ``tensor.narrow(dim, lo, length)``; None if it
+    does not lie inside that slab."""
+    shape, strides, offset = view
+    if dim is None:
+        dim, lo, length = 0, 0, tensor_shape[0] if tensor_shape else 1
     slab = tuple(length if d == dim else n for d, n in enumerate(tensor_shape))
-    full = contiguous_strides(slab)
-    strides = tuple(step * full[d] if d >= 0 else 0 for d, step in b.mapping)
-    offset = sum((c - (lo if d == dim else 0)) * full[d] for d, c in enumerate(b.start))
-    return view[0], strides, offset
+    b = box(tensor_shape, view) if tensor_shape else None
+    if b is not None and lo <= b.extent[dim][0] and b.extent[dim][1] < lo + length:
+        start = tuple(c - (lo if d == dim else 0) for d, c in enumerate(b.start))
+        full = contiguous_strides(slab)
+        flat = (shape, tuple(step * full[d] if d >= 0 else 0 for d, step in b.mapping),
+                sum(c * s for c, s in zip(start, full)))
+        return SlabView(slab, shape, flat, start, b.mapping)
+    if dim != 0 and tensor_shape:
+        return None  # a later dim is planned from the box only
+    row = math.prod(tensor_shape[1:]) if tensor_shape else 1
+    flat = (shape, strides, offset - lo * row)
+    if flat[2] < 0 or _last(flat) >= math.prod(slab):
+        return None
+    return SlabView(slab, shape, flat)
+
+
+def _last(view: Geometry) -> int:
+    """Flat position of a view's last element (strides are >= 0)."""
+    shape, strides, offset = view
+    return offset + sum((n - 1) * s for n, s in zip(shape, strides))
 
 
 @dataclass
 class Slab:
     """One read: ``tensor.narrow(dim, start, length)`` (``dim`` None: the whole tensor), and the
-    views of the writes it serves, each re-expressed over the slab."""
+    views of the writes it serves."""
 
     dim: int | None
     start: int
     length: int
-    members: list[tuple[int, Geometry]]  # (index of the write, its view over the slab)
+    members: list[tuple[int, SlabView]]  # (index of the write, its view of the slab)
 
 
 def _rows(tensor_shape: tuple[int, ...], view: Geometry) -> tuple[int, int] | None:
     """The dim-0 rows a view touches, from its first and last flat positions (strides are >= 0)."""
-    shape, strides, offset = view
+    _, strides, offset = view
     if any(s < 0 for s in strides):
         return None
-    last = offset + sum((n - 1) * s for n, s in zip(shape, strides))
+    last = _last(view)
     row = math.prod(tensor_shape[1:])
-    if row == 0 or last >= math.prod(tensor_shape):
+    if row == 0 or offset < 0 or last >= math.prod(tensor_shape):
         return None
     return offset // row, last // row
 
 
-def plan_slabs(tensor_shape: tuple[int, ...], views: list[Geometry]) -> list[Slab]:
-    """Slabs that cover every view, each view read once: per view the single-dim slab with the
-    fewest elements, then overlapping slabs along the same dim merged into one read.
+def plan_slabs(tensor_shape: tuple[int, ...], views: list[Geometry], read_cost: ReadCost) -> list[Slab]:
+    """Slabs that cover every view, read as few bytes as ``read_cost`` says they can.
 
-    Dim 0 is always possible from the view's first and last flat positions (a slab of whole rows is
-    contiguous, and the view keeps its strides, shifted); a later dim needs ``box``.
+    Each view spans an index range along dim 0 (from its first and last flat positions) and along
+    each later dim (from its ``box``). Two candidates per dim are costed: each view on its own
+    cheapest dim, and every view on one shared dim; slabs along one dim are merged where one read
+    costs no more than two (overlapping slabs always; slabs read through the gaps between rows,
+    whose reads would overlap in the file). The cheapest candidate wins, or the whole tensor if
+    that costs no more.
     """
     shape = tuple(tensor_shape)
-    if not shape:
-        return [Slab(None, 0, 1, list(enumerate(views)))]
-    row = math.prod(shape[1:])
-    by_dim: dict[int, list[tuple[int, int, int, Geometry | Box]]] = {}
-    for i, view in enumerate(views):
-        options = []  # (elements read, dim, lo, hi, how to rebase)
+    whole_length = shape[0] if shape else 1
+    whole_cost = read_cost(None, 0, whole_length)
+
+    def whole() -> list[Slab]:
+        return [Slab(None, 0, whole_length, [(i, _view_or_raise(shape, v, None, 0, whole_length))
+                                             for i, v in enumerate(views)])]
+
+    if not shape or any(n == 0 for n in shape):
+        return whole()
+    extents: list[dict[int, tuple[int, int]]] = []  # per view: dim -> (first, last) index it spans
+    for view in views:
+        options: dict[int, tuple[int, int]] = {}
         rows = _rows(shape, view)
         if rows is not None:
-            options.append(((rows[1] - rows[0] + 1) * row, 0, rows[0], rows[1], view))
+            options[0] = rows
         b = box(shape, view)
         if b is not None:
-            for d in range(1, len(shape)):
-                lo, hi = b.extent[d]
-                options.append(((hi - lo + 1) * math.prod(shape) // shape[d], d, lo, hi, b))
+            options.update({d: b.extent[d] for d in range(1, len(shape))})
         if not options:
-            return [Slab(None, 0, shape[0], list(enumerate(views)))]
-        cost, d, lo, hi, how = min(options, key=lambda o: (o[0], o[1]))
-        if cost >= math.prod(shape):
-            return [Slab(None, 0, shape[0], list(enumerate(views)))]
-        by_dim.setdefault(d, []).append((lo, hi, i, how))
-    slabs: list[Slab] = []
-    for d, items in by_dim.items():
-        items.sort(key=lambda x: x[0])
-        groups: list[list] = []
-        for item in items:
-            if groups and item[0] <= groups[-1][1]:
-                groups[-1][1] = max(groups[-1][1], item[1])
-                groups[-1][2].append(item)
-            else:
-                groups.append([item[0], item[1], [item]])
-        for lo, hi, members in groups:
-            length = hi - lo + 1
-            slabs.append(Slab(d, lo, length, [(i, _shift(how, views[i], shape, d, lo, length))
-                                              for _, _, i, how in members]))
-    return slabs
+            return whole()
+        extents.append(options)
+
+    def merge(picks: dict[int, list[tuple[int, int]]]) -> tuple[int, list[tuple[int, int, int]]]:
+        spans: list[tuple[int, int, int]] = []  # (dim, lo, hi)
+        total = 0
+        for d, intervals in sorted(picks.items()):
+            merged: list[list[int]] = []
+            for lo, hi in sorted(intervals):
+                if merged:
+                    plo, phi = merged[-1]
+                    together = read_cost(d, plo, max(phi, hi) - plo + 1)
+                    if lo <= phi or together <= read_cost(d, plo, phi - plo + 1) + read_cost(d, lo, hi - lo + 1):
+                        merged[-1][1] = max(phi, hi)
+                        continue
+                merged.append([lo, hi])
+            for lo, hi in merged:
+                spans.append((d, lo, hi))
+                total += read_cost(d, lo, hi - lo + 1)
+        return total, spans
+
+    # Candidates: every view on its own cheapest dim, and all views on one shared dim (views that
+    # only together make a cheap slab, as the gate and up halves of each expert in a fused stack).
+    own: dict[int, list[tuple[int, int]]] = {}
+    for options in extents:
+        d, (lo, hi) = min(options.items(), key=lambda o: (read_cost(o[0], o[1][0], o[1][1] - o[1][0] + 1), o[0]))
+        own.setdefault(d, []).append((lo, hi))
+    candidates = [merge(own)]
+    for d in set.intersection(*(set(o) for o in extents)):
+        candidates.append(merge({d: [o[d] for o in extents]}))
+    total, spans = min(candidates, key=lambda c: c[0])
+    if total >= whole_cost:
+        return whole()
+    slabs = [Slab(d, lo, hi - lo + 1, []) for d, lo, hi in spans]
+    for i, view in enumerate(views):
+        for slab in slabs:
+            member = slab_view(shape, view, slab.dim, slab.start, slab.length)
+            if member is not None:
+                slab.members.append((i, member))
+                break
+        else:
+            return whole()  # cannot happen: every view's own pick lies inside a merged slab
+    return [s for s in slabs if s.members]
 
 
-def _shift(how: Geometry | Box, view: Geometry, shape: tuple[int, ...], dim: int, lo: int, length: int) -> Geometry:
-    if isinstance(how, Box):
-        return rebase(how, view, shape, dim, lo, length)
-    # whole rows: the slab has the tensor's row layout, so only the offset moves
-    return view[0], view[1], view[2] - lo * math.prod(shape[1:])
+def _view_or_raise(shape: tuple[int, ...], view: Geometry, dim: int | None, lo: int, length: int) -> SlabView:
+    member = slab_view(shape, view, dim, lo, length)
+    if member is None:
+        raise LayoutError(f"a recorded write's source {view} does not lie inside its tensor of shape {list(shape)}")
+    return member

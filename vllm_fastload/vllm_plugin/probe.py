@@ -25,8 +25,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from vllm_fastload.plan import TensorRequest
-from vllm_fastload.vllm_plugin.geometry import Geometry, affine
+from vllm_fastload.vllm_plugin.geometry import Geometry, SlabView, affine
 
 
 @dataclass
@@ -44,14 +43,15 @@ class Placement:
     #: destination's row-major order, and is reshaped to the destination's shape.
     reshape: bool = False
 
-    def request(self, tensor_shape: tuple[int, ...], key: str) -> TensorRequest | None:
-        """The byte-range request this write needs, when it is the whole tensor or one narrow."""
+    def narrow(self, tensor_shape: tuple[int, ...]) -> tuple[int | None, int, int] | None:
+        """``(dim, start, length)`` when this write takes the whole tensor (dim None) or one narrow
+        of it, unchanged, into a region of its shape; else None (read as a slab and replayed)."""
         shape, stride, offset = self.src_shape, self.src_stride, self.src_offset
         full = _contiguous_strides(tensor_shape)
         if tuple(self.dest.shape) != shape or self.reshape:
-            return None  # broadcasting copy: leave it to the replay path
+            return None  # broadcasting copy, or a derived source: replayed
         if shape == tensor_shape and offset == 0 and _same_strides(shape, stride, full):
-            return TensorRequest(self.source, key=key)
+            return None, 0, tensor_shape[0] if tensor_shape else 1
         if len(shape) != len(tensor_shape) or not _same_strides(shape, stride, full):
             return None
         differing = [d for d in range(len(shape)) if shape[d] != tensor_shape[d]]
@@ -63,17 +63,17 @@ class Placement:
         start = offset // full[d]
         if start + shape[d] > tensor_shape[d]:
             return None
-        return TensorRequest(self.source, dim=d, start=start, length=shape[d], key=key)
+        return d, start, shape[d]
 
     @property
     def view(self) -> Geometry:
         return self.src_shape, self.src_stride, self.src_offset
 
-    def replay(self, tensor: torch.Tensor, view: Geometry | None = None) -> None:
-        """Perform this write from the real checkpoint tensor (contiguous, as read), or from a slab
-        of it with ``view`` re-expressed over the slab (``geometry.plan_slabs``)."""
-        shape, stride, offset = view or self.view
-        src = tensor.as_strided(shape, stride, tensor.storage_offset() + offset)
+    def replay(self, slab: torch.Tensor, view: SlabView) -> None:
+        """Perform this write from what was read of its checkpoint tensor: ``slab`` (the whole
+        tensor or a slab of it, in the layout the reader gave it) and this write's ``view`` of it
+        (``geometry.plan_slabs``). Raises ``geometry.LayoutError`` if the slab is not the one planned."""
+        src = view.on(slab)
         if self.reshape:
             src = src.reshape(self.dest.shape)
         self.dest.copy_(src)
@@ -218,6 +218,11 @@ _MOVES = frozenset({
     "expand_as", "view_as", "reshape_as", "chunk", "split", "unbind", "tensor_split", "cat", "concat",
     "concatenate", "stack", "T", "mT",
 })
+#: In-place ops that change a tensor's metadata or autograd state, not its values.
+_METADATA_ONLY = frozenset({
+    "requires_grad_", "t_", "transpose_", "squeeze_", "unsqueeze_", "as_strided_", "swapaxes_", "swapdims_",
+    "retain_grad", "share_memory_",
+})
 
 
 @dataclass
@@ -230,6 +235,11 @@ class _Derived:
     args: tuple
     kwargs: dict
     signature: tuple
+
+
+def _mutates(name: str) -> bool:
+    """Whether the torch function ``name`` changes its first argument's values in place."""
+    return name.endswith("_") and not name.startswith("__") and name not in _METADATA_ONLY
 
 
 def _tensors_in(obj) -> Iterator[torch.Tensor]:
@@ -277,9 +287,14 @@ class _Recorder(TorchFunctionMode):
         self.result = result
         #: parameter -> [(region written, the copy that wrote it or None for a fill)]
         self.written: dict[str, list[tuple[_Region, Placement | None]]] = {}
+        #: meta storages a loader changed in place (``loaded_weight.zero_()``): their values are no
+        #: longer the checkpoint's, so a copy of them is computed, not a placement.
+        self.mutated: set[int] = set()
 
     def _source(self, t: torch.Tensor) -> str | None:
         key = t.untyped_storage()._cdata
+        if key in self.mutated:
+            return None
         name = self.placeholders.get(key)
         if name is None and key in self.derived:
             name = self.derived[key].source
@@ -375,6 +390,9 @@ class _Recorder(TorchFunctionMode):
             self._record(args[0][args[1]], args[2])
             return None
         name = getattr(func, "__name__", "")
+        if _mutates(name) and args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+            self.mutated.add(args[0].untyped_storage()._cdata)  # checkpoint data changed before its copy
+            return func(*args, **kwargs)
         if name in _MOVES:
             out = func(*args, **kwargs)
             self._derive(func, args, kwargs, out)
@@ -384,16 +402,28 @@ class _Recorder(TorchFunctionMode):
             return None
         if name.endswith("_") and not name.startswith("__") and args and isinstance(args[0], torch.Tensor) \
                 and not args[0].is_meta and self.memory.owner(args[0]) is not None:
+            owner = self.memory.owner(args[0])
             if any(isinstance(a, torch.Tensor) and a.is_meta for a in args[1:]):
-                self.result.unsupported.append(f"in-place {name} on {self.memory.owner(args[0])} uses checkpoint data")
+                self.result.unsupported.append(f"in-place {name} on {owner} uses checkpoint data")
                 return args[0]
-            if name in ("fill_", "zero_"):
-                self._check_fill(args[0])
+            if name in ("fill_", "zero_", "copy_"):
+                # Known values written here now, and kept: a checkpoint copy may not overlap them.
+                self._claim(owner, args[0], f"{owner} is overwritten by {name} after checkpoint data was copied "
+                                            "into it (a loader that transforms what it loaded)")
+            elif _mutates(name) and self._holds_checkpoint_data(owner, args[0]):
+                self.result.unsupported.append(
+                    f"in-place {name} on {owner} changes checkpoint data after its copy (a computed weight)")
+        elif name == "__setitem__" and isinstance(args[0], torch.Tensor):
+            if args[0].is_meta:
+                self.mutated.add(args[0].untyped_storage()._cdata)
+            elif (owner := self.memory.owner(args[0])) is not None:
+                self._claim(owner, args[0][args[1]], f"{owner} is overwritten by item assignment after checkpoint "
+                                                     "data was copied into it")
         return func(*args, **kwargs)
 
-    def _check_fill(self, dest: torch.Tensor) -> None:
-        owner = self.memory.owner(dest)
-        self._claim(owner, dest, f"{owner} is filled after checkpoint data was copied into it")
+    def _holds_checkpoint_data(self, owner: str, dest: torch.Tensor) -> bool:
+        region = _Region.of(dest, self.memory.start(owner))
+        return any(p is not None and region.overlaps(r) for r, p in self.written.get(owner, []))
 
     def _claim(self, owner: str, dest: torch.Tensor, overlap_reason: str,
                placement: Placement | None = None) -> bool:

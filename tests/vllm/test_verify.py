@@ -1,0 +1,61 @@
+"""``vllm-fastload verify`` as users run it (the installed console script, on checkpoints made here):
+exit 0 when every parameter on every rank equals the default loader's, exit 1 naming the parameter
+and the rank when one does not. The broken plan is a test-only fault (``fault/sitecustomize.py``)
+that every load-time check lets through, so only the comparison can catch it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm_fastload.tools.checkpoints import write_checkpoint
+from vllm_fastload.tools.demo import DEMO_SPEC
+
+from .conftest import HERE
+
+pytestmark = pytest.mark.vllm
+
+sys.path.insert(0, str(HERE))
+import registry  # noqa: E402
+
+
+def _verify(*args: str, env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
+    script = shutil.which("vllm-fastload", path=str(Path(sys.executable).parent))
+    assert script, "the vllm-fastload console script is not installed next to this Python"
+    return subprocess.run([script, "verify", *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("verify")
+    return {"demo": write_checkpoint(root / "demo", DEMO_SPEC, files=2),
+            "gpt2": registry.build("GPT2LMHeadModel", root, "large")}
+
+
+def test_verify_passes_the_demo_checkpoint_and_a_zoo_family(checkpoints):
+    proc = _verify(str(checkpoints["demo"]), str(checkpoints["gpt2"]), "--tp", "2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "verdict: 2 of 2 exact" in out
+    for arch, path in (("LlamaForCausalLM", checkpoints["demo"]), ("GPT2LMHeadModel", checkpoints["gpt2"])):
+        line = next(line for line in out.splitlines() if line.startswith(f"{arch} ({path})"))
+        assert "exact on all 2 ranks" in line and "planned per rank" in line, line
+
+
+def test_verify_fails_a_broken_plan_naming_the_parameter_and_the_rank(checkpoints):
+    env = {"VERIFY_FAULT_RANK": "1", "PYTHONPATH": os.pathsep.join([str(HERE / "fault"),
+                                                                    os.environ.get("PYTHONPATH", "")])}
+    proc = _verify(str(checkpoints["gpt2"]), "--tp", "2", env=env)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    faulted = next(line for line in proc.stdout.splitlines() if line.startswith("VERIFY_FAULT: "))
+    param = faulted.split()[1]
+    assert "DIFFERENT" in proc.stdout and "differs on rank 1" in proc.stdout, proc.stdout
+    # The parameter the fault moved is named (the checkpoint name maps onto vLLM's parameter).
+    assert param.rsplit(".", 2)[-2] in proc.stdout.split("DIFFERENT", 1)[1].splitlines()[0]
+    assert "verdict: 0 of 1 exact" in proc.stdout

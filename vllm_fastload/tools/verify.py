@@ -1,0 +1,256 @@
+"""``vllm-fastload verify MODEL --tp N``: is fastload exact on your checkpoint, on every rank?
+
+Loads each checkpoint with vLLM's default loader and with fastload, through vLLM's own loader
+interface, in N rank processes that set up vLLM's distributed state the way its workers do, and
+compares every parameter and buffer on every rank, byte for byte: right after the weights are
+loaded and again after vLLM's post-processing. Run it once before switching a model family over.
+
+One process per rank sets vLLM's distributed state up once (``init_distributed_environment`` and
+``ensure_model_parallel_initialized`` under ``set_current_vllm_config``, gloo on CPU, NCCL on
+GPUs), then per checkpoint and per load mode: ``EngineArgs(...).create_engine_config()`` ->
+``get_model_loader(load_config)`` -> ``loader.load_model(...)``, digesting every parameter and
+buffer. The architecture test zoo (tests/vllm/zoo.py) runs through the same code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+#: mode -> (vLLM load format, --model-loader-extra-config). The first mode is the reference.
+DEFAULT_MODES: dict[str, tuple[str, dict]] = {
+    "default": ("auto", {}),
+    "fastload": ("fastload", {"progress": False}),
+}
+
+
+def engine_config(path: str, tp: int, load_format: str, extra: dict, dtype: str = "auto"):
+    """The ``VllmConfig`` a ``vllm serve PATH --load-format ... -tp N`` start would build (eager, short context)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=path, model_loader_extra_config=extra, tensor_parallel_size=tp, dtype=dtype,
+                      load_format=load_format, enforce_eager=True, max_model_len=128, skip_tokenizer_init=True,
+                      seed=0, distributed_executor_backend="mp" if tp > 1 else None).create_engine_config()
+
+
+def load_and_digest(path: str, tp: int, load_format: str, extra: dict, dtype: str = "auto") -> dict:
+    """Load one checkpoint on this rank; digests after ``load_weights`` (``loaded:`` names) and after
+    ``load_model`` (post-processed), fastload's report, and the seconds ``load_model`` took."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader import get_model_loader
+
+    from vllm_fastload.vllm_plugin.digests import parameter_digests
+
+    config = engine_config(path, tp, load_format, extra, dtype)
+    loaded: dict[str, str] = {}
+    start = time.perf_counter()
+    with set_current_vllm_config(config):
+        loader = get_model_loader(config.load_config)
+        load_weights = loader.load_weights
+
+        def load_weights_and_digest(model, model_config) -> None:
+            # Right after the loader, before vLLM's post-processing (which may repack weights into
+            # kernel handles that are no longer parameters).
+            load_weights(model, model_config)
+            loaded.update({f"loaded:{k}": v for k, v in parameter_digests(model).items()})
+
+        loader.load_weights = load_weights_and_digest
+        model = loader.load_model(vllm_config=config, model_config=config.model_config)
+    seconds = time.perf_counter() - start
+    digests = {**loaded, **parameter_digests(model)}
+    report = dict(getattr(loader, "report", None) or {}) or None
+    del model
+    return {"digests": digests, "report": report, "seconds": round(seconds, 3)}
+
+
+def rank_main(rank: int, tp: int, port: int, out_dir: str, paths: list[str], modes: dict, dtype: str,
+              more: dict | None = None) -> None:
+    """One rank: vLLM's distributed state once, then every checkpoint in every mode; results go to
+    ``out_dir/rank{rank}.json`` after each checkpoint (a crash keeps what was done)."""
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+    from vllm.plugins import load_general_plugins
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(1)
+        # What vLLM's CPU worker does before loading: torch.accelerator calls become no-ops (the
+        # loader calls empty_cache), and the shared-memory group is named after the rendezvous port.
+        from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop
+
+        _set_torch_accelerator_to_noop()
+        os.environ["VLLM_DIST_IDENT"] = str(port)
+    load_general_plugins()  # registers "fastload" through the entry point, as vLLM's workers do
+    first = engine_config(paths[0], tp, "auto", {}, dtype)
+    first.model_config = None  # so that initialize_model_parallel also creates the expert-parallel group
+    with set_current_vllm_config(first):
+        init_distributed_environment(tp, rank, f"tcp://127.0.0.1:{port}", rank, "nccl" if cuda else "gloo")
+        ensure_model_parallel_initialized(tp, 1)
+    results: dict = {}
+    for path in paths:
+        entry: dict = {}
+        try:
+            for mode, (load_format, extra) in {**modes, **(more or {}).get(path, {})}.items():
+                entry[mode] = load_and_digest(path, tp, load_format, extra, dtype)
+        except BaseException as exc:  # recorded per checkpoint; the others still run
+            entry["error"] = f"{type(exc).__name__}: {exc}"
+            entry["traceback"] = traceback.format_exc()
+        results[path] = entry
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+
+
+def run_ranks(paths: list[str], tp: int, out_dir: str | Path, modes: Mapping[str, tuple[str, dict]] = DEFAULT_MODES,
+              dtype: str = "auto", timeout: float = 1800, verbose: bool = True,
+              more: Mapping[str, Mapping[str, tuple[str, dict]]] | None = None) -> list[dict]:
+    """Start ``tp`` rank processes over ``paths``; every rank's results (``rank_main``), in rank order.
+    ``more`` adds modes for some paths only.
+
+    A rank still running at ``timeout`` (e.g. one waiting in a collective for a rank that died) is
+    killed; its checkpoints missing from its results read as errors.
+    """
+    import multiprocessing as mp
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if not verbose:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the ranks' start-up chatter
+    if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        cpus = os.cpu_count() or 1  # vLLM-CPU binds each rank's threads; share the cores round robin
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % cpus) for r in range(tp))
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=rank_main, args=(r, tp, port, str(out_dir), list(paths), dict(modes), dtype,
+                                                    {k: dict(v) for k, v in (more or {}).items()}))
+             for r in range(tp)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(deadline - time.monotonic(), 1))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    results = []
+    for r, p in enumerate(procs):
+        f = out_dir / f"rank{r}.json"
+        done = json.loads(f.read_text()) if f.exists() else {}
+        for path in paths:
+            done.setdefault(path, {"error": f"rank {r} did not finish it (exit code {p.exitcode})"})
+        results.append(done)
+    return results
+
+
+@dataclass
+class Verdict:
+    """One checkpoint compared in one mode against the reference, on every rank."""
+
+    path: str
+    architecture: str
+    mode: str
+    exact: bool
+    #: (rank, parameter or buffer) of the first difference, or the error.
+    first_difference: tuple[int, str] | None = None
+    error: str | None = None
+    differing: list[int] = field(default_factory=list)  # number of differing names per rank
+    names: int = 0
+    read_share: list[float] = field(default_factory=list)
+    planned: list[bool] = field(default_factory=list)
+    fallback_reason: str | None = None
+
+    def line(self) -> str:
+        head = f"{self.architecture} ({self.path}), {self.mode}"
+        if self.error:
+            return f"{head}: ERROR {self.error}"
+        ranks = len(self.differing)
+        shares = "/".join(f"{s:.2f}" for s in self.read_share)
+        how = ("planned per rank" if all(self.planned) else f"read whole through load_weights: {self.fallback_reason}")
+        if self.exact:
+            return (f"{head}: exact on all {ranks} ranks ({self.names} parameters and buffers each, after loading "
+                    f"and after post-processing); {how}; share of the checkpoint read per rank {shares}")
+        rank, name = self.first_difference
+        total = sum(self.differing)
+        return (f"{head}: DIFFERENT: {name} differs on rank {rank} (first of {total} differing names over "
+                f"{sum(1 for d in self.differing if d)} of {ranks} ranks); {how}")
+
+
+def compare(results: list[dict], path: str, reference: str = "default") -> list[Verdict]:
+    """Each mode of ``path`` against ``reference``, rank by rank."""
+    arch = architecture(path)
+    entries = [r[path] for r in results]
+    errors = [(rank, e) for rank, e in enumerate(entries) if "error" in e]
+    modes = [m for m in (entries[0] if not errors else {}) if m != reference]
+    if errors:
+        rank, e = errors[0]
+        return [Verdict(path, arch, "all", False, error=f"rank {rank}: {e['error']}")]
+    verdicts = []
+    for mode in modes:
+        v = Verdict(path, arch, mode, True)
+        for rank, e in enumerate(entries):
+            want, got = e[reference]["digests"], e[mode]["digests"]
+            v.names = len([n for n in want if not n.startswith("loaded:")])
+            wrong = [n for n in want if got.get(n) != want[n]] + [n for n in got if n not in want]
+            v.differing.append(len(wrong))
+            if wrong and v.first_difference is None:
+                v.first_difference = (rank, wrong[0].removeprefix("loaded:"))
+            report = e[mode].get("report") or {}
+            if report:
+                v.read_share.append(report["bytes_read"] / max(report["bytes_total"], 1))
+                v.planned.append(bool(report["planned"]))
+                v.fallback_reason = v.fallback_reason or report.get("fallback_reason")
+        v.exact = not any(v.differing)
+        verdicts.append(v)
+    return verdicts
+
+
+def architecture(path: str) -> str:
+    try:
+        return json.loads((Path(path) / "config.json").read_text())["architectures"][0]
+    except (OSError, KeyError, IndexError, ValueError):
+        return "unknown architecture"
+
+
+def main(args) -> int:
+    """The ``verify`` command: 0 when every checkpoint is exact on every rank, 1 otherwise."""
+    import tempfile
+
+    extra = json.loads(args.fastload_config) if args.fastload_config else {}
+    modes = {"default": DEFAULT_MODES["default"], "fastload": ("fastload", {"progress": False, **extra})}
+    missing = [p for p in args.model if not Path(p).exists() and (p.startswith((".", "~")) or os.sep in p.strip(os.sep)
+                                                                  or p.startswith(os.sep))]
+    if missing:
+        print(f"verify: no such checkpoint directory: {', '.join(missing)}", file=sys.stderr)
+        return 2
+    paths = [str(Path(p).resolve()) if Path(p).exists() else p for p in args.model]
+    print(f"verify: {len(paths)} checkpoint(s), TP={args.tp}, vLLM's default loader against fastload "
+          f"{json.dumps(modes['fastload'][1])}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="fastload-verify-") as out:
+        results = run_ranks(paths, args.tp, out, modes, dtype=args.dtype, timeout=args.timeout, verbose=args.verbose)
+    verdicts = [v for path in paths for v in compare(results, path)]
+    for v in verdicts:
+        print(v.line())
+        if v.error and args.verbose:
+            print(next((r[v.path].get("traceback", "") for r in results if "traceback" in r[v.path]), ""))
+    bad = [v for v in verdicts if not v.exact]
+    print(f"verdict: {len(verdicts) - len(bad)} of {len(verdicts)} exact" +
+          ("" if not bad else "; do not switch these to fastload; please report them with this output"))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":  # pragma: no cover - the CLI is `vllm-fastload verify`
+    from vllm_fastload.cli import main as cli_main
+
+    sys.exit(cli_main(["verify", *sys.argv[1:]]))
