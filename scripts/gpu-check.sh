@@ -1,23 +1,31 @@
 #!/usr/bin/env bash
-# The whole GPU check in ONE device call, for a session whose task has the H200 machine:
+# The whole GPU check of vllm-fastload on one CUDA machine: tests, then the GPU benchmark.
 #
-#   here, once:   bash scripts/gpu-wheels.sh           # fills .whl/ (17 MiB, git-ignored)
-#   device tool:  run(command="bash scripts/gpu-check.sh", carry=[".whl"], timeout_s=600)
+#   bash scripts/gpu-check.sh                 # from anywhere; it works in the repository root
 #
-# On the bare GPU machine (Python 3.12, torch 2.11 + CUDA 13, no package index) it
-#   1. records the machine: GPU, driver, PCIe link, CPUs, memory, the filesystem and disk under
-#      the checkpoint, whether the GDS kernel driver (nvidia-fs) is loaded;
-#   2. installs the carried wheels into /tmp/site (PYTHONPATH=/tmp/site:$PWD);
-#   3. runs the GPU tests with pytest -rs: tests/core/test_gpu.py (every reader test that takes a
+# It uses the python3 on PATH, which needs a CUDA build of torch, this package's dependencies
+# (pydantic, pydantic-settings, numpy, safetensors, tqdm), pytest, pytest-timeout and hypothesis,
+# and, for the comparisons, kvikio, fastsafetensors and instanttensor. Install them into that
+# environment, or, on a GPU machine without a package index, run scripts/gpu-wheels.sh on a
+# machine with one and copy the resulting .whl/ folder into the repository here first.
+#
+# What it does, and prints:
+#   1. the machine: GPU, driver, PCIe link, CPUs, memory, the disks, and whether the GDS kernel
+#      driver (nvidia-fs) is loaded;
+#   2. where .whl/ exists, installs those wheels into /tmp/site (PYTHONPATH=/tmp/site:$PWD); then
+#      the Python, torch and CUDA versions, which packages import, and the GDS status;
+#   3. the GPU tests with pytest -rs: tests/core/test_gpu.py (every reader test that takes a
 #      CUDA device: cuda, kvikio and auto backends) and tests/core/test_bench_gpu.py (the
 #      benchmark's smoke form); GPU_CHECK_CORE=1 runs all of tests/core instead;
-#   4. runs `vllm-fastload bench-gpu` (as `python3 -m vllm_fastload bench-gpu`): a 5.6 GB
-#      checkpoint of 8 Llama-3-8B layers on the local disk, loaders interleaved, 3 repetitions,
-#      cold and warm, against the disk, page-cache and H2D limits, with its table and verdicts.
+#   4. `vllm-fastload bench-gpu` (as `python3 -m vllm_fastload bench-gpu`): a 5.6 GB checkpoint
+#      of 8 Llama-3-8B layers on a local disk (never tmpfs), loaders interleaved, 3 repetitions,
+#      cold and warm, against the disk, page-cache and host-to-device limits, with its table and
+#      target verdicts;
+#   and a last line saying whether the tests passed and the benchmark ran (exit status 0 if both).
 # Everything printed goes to $OUT/gpu-check.log too; the JSON to $OUT/bench-gpu.json, test
 # results to $OUT/pytest-gpu.xml (bench-results/ where $OUT is unset). It stays inside
-# GPU_CHECK_BUDGET seconds (default 500; a device command may run 600): the tests get at most
-# GPU_CHECK_TESTS_S (default 200), the benchmark the rest, and stops starting repetitions in time.
+# GPU_CHECK_BUDGET seconds (default 500): the tests get at most GPU_CHECK_TESTS_S (default 200),
+# the benchmark the rest, and it stops starting repetitions in time.
 # Other knobs: GPU_CHECK_DIR (checkpoint directory), GPU_CHECK_LAYERS (8), GPU_CHECK_REPEATS (3),
 # and the usual FASTLOAD_* variables (e.g. FASTLOAD_MEMORY_BUDGET) for fastload's configuration.
 set -uo pipefail

@@ -1,27 +1,33 @@
 #!/usr/bin/env bash
-# Run HERE (a machine with a package index), not on the GPU machine: downloads into .whl/ every
-# wheel that scripts/gpu-check.sh needs and the H200 machine lacks (it has no package index).
-# A device `run` then carries them: carry [".whl"] (64 MiB at most per call; this stays < 50 MiB).
+# Downloads into .whl/ the wheels that scripts/gpu-check.sh needs beyond what a CUDA image with
+# torch already holds, for a GPU machine that has no package index. Run it on a machine that has
+# one (pip and network access), then copy the repository with its .whl/ folder to the GPU machine
+# and run `bash scripts/gpu-check.sh` there: it installs them into /tmp/site.
 #
-# Target: CPython 3.12, manylinux x86_64 (the GPU image's python3). One version of each name:
-# two versions of one package stop the whole install there. Idempotent: wheels already in .whl/
-# are kept, wheels of other versions are removed.
+#   bash scripts/gpu-wheels.sh                # PYTHON=... picks the python whose pip downloads
 #
-# Why each one (Requires-Dist of every wheel is checked below against what is carried plus
-# what the image already holds; see /work/.library/device/KINDS.md):
+# Target: CPython 3.12, manylinux x86_64. One version of each name: two versions of one package
+# stop the whole install there. Idempotent: wheels already in .whl/ are kept, wheels of other
+# versions are removed. .whl/ is added to the repository's git exclude list.
+# It prints one line per wheel (name, MiB, its requirements and whether each is among the wheels
+# or expected on the GPU image), the total size (kept under 50 MiB), and a PROBLEM line for a
+# wheel not downloaded or a requirement found nowhere; it exits 1 if there is any.
+#
+# Why each one (Requires-Dist of every wheel is checked below against what is downloaded plus
+# what the GPU image is expected to hold, IMAGE below):
 #   kvikio-cu13, libkvikio-cu13  the kvikio backend (cuFile/GDS or its POSIX compat mode)
-#   rapids-logger                libkvikio-cu13 needs librapids_logger.so; not in the image
+#   rapids-logger                libkvikio-cu13 needs librapids_logger.so
 #                                (its other needs, cuda-pathfinder, cuda-toolkit[cufile], and
-#                                kvikio's cupy-cuda13x>=14.0.1,!=14.1.0, numpy<3, packaging, are)
-#   fastsafetensors              anchor loader; cp312 wheel; needs only typer (in the image)
-#   instanttensor                anchor loader; cp312 wheel, and its extension links no libtorch
+#                                kvikio's cupy-cuda13x>=14.0.1,!=14.1.0, numpy<3, packaging, are
+#                                expected on the image)
+#   fastsafetensors              comparison loader; cp312 wheel; needs only typer
+#   instanttensor                comparison loader; cp312 wheel, and its extension links no libtorch
 #                                (only libc/libstdc++), so it fits torch 2.11; needs torch>=2.8
-#   pydantic & co                vllm_fastload.config needs pydantic 2; the image has none.
+#   pydantic & co                vllm_fastload.config needs pydantic 2.
 #                                torch 2.11 asks typing-extensions>=4.10, pydantic 2.14 >=4.14.1
-#   pydantic-settings, dotenv    in case the config moves to pydantic-settings
-#   pytest & co, hypothesis      the image has them, but not necessarily these versions; carried
-#                                so that the tests run with the versions they are developed with
-#                                (gpu-check.sh loads only the pytest plugins it names)
+#   pydantic-settings, dotenv    vllm_fastload.config reads FASTLOAD_* through pydantic-settings
+#   pytest & co, hypothesis      pinned, so that the tests run with the versions they are written
+#                                for (gpu-check.sh loads only the pytest plugins it names)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -34,7 +40,7 @@ PINS=(
   pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 packaging==26.3 pytest-timeout==2.4.0
   hypothesis==6.170.15 sortedcontainers==2.4.0 attrs==26.1.0
 )
-# In the GPU image already (KINDS.md, 'Python packages already there'); not carried.
+# Expected on the GPU image already (a CUDA image with torch 2.11 and CUDA 13); not downloaded.
 IMAGE="torch numpy safetensors tqdm cupy-cuda13x cuda-pathfinder cuda-toolkit nvidia-cufile cuda-bindings
 cuda-core typer pygments filelock jinja2 fsspec networkx sympy setuptools triton"
 

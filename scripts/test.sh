@@ -6,4 +6,5 @@ cd "$(dirname "$0")/.."
 source scripts/setup.sh
 scripts/setup-netsources.sh
 python -m ruff check vllm_fastload tgi_patch tests examples
+lint-imports  # the layers and forbidden imports in pyproject.toml
 exec python -m pytest -rs "$@"

@@ -14,9 +14,10 @@ from collections.abc import Sequence
 import torch
 
 from vllm_fastload.api import FastCheckpoint
+from vllm_fastload.checkpoint import Checkpoint, read_safetensors_file
 from vllm_fastload.config import ConfigError, FastloadConfig
 from vllm_fastload.errors import IndexMismatchError, TensorNotFoundError
-from vllm_fastload.format import Checkpoint, SafetensorsFile, TensorInfo, read_safetensors_file
+from vllm_fastload.format import SafetensorsFile, TensorInfo
 from vllm_fastload.plan import TensorRequest, plan_tensor
 from vllm_fastload.tensors import torch_dtype, torch_shape
 

@@ -7,13 +7,16 @@ Importing this package never imports vLLM (the vLLM loader lives in
 from vllm_fastload.api import FastCheckpoint, open
 from vllm_fastload.config import ConfigError, FastloadConfig
 from vllm_fastload.errors import (
+    AccessDeniedError,
     CheckpointError,
     FileChangedError,
     HeaderError,
     IndexMismatchError,
     InvalidRequestError,
     MissingFileError,
+    PlanError,
     ReadError,
+    StoreUnavailableError,
     TensorMetadataError,
     TensorNotFoundError,
     TruncatedFileError,
@@ -24,6 +27,7 @@ from vllm_fastload.plan import TensorRequest
 __version__ = "0.1.0"
 
 __all__ = [
+    "AccessDeniedError",
     "CheckpointError",
     "ConfigError",
     "FastCheckpoint",
@@ -34,7 +38,9 @@ __all__ = [
     "InvalidRequestError",
     "LayerEvent",
     "MissingFileError",
+    "PlanError",
     "ReadError",
+    "StoreUnavailableError",
     "TensorMetadataError",
     "TensorNotFoundError",
     "TensorRequest",

@@ -9,11 +9,12 @@ from typing import Any
 import torch
 
 from vllm_fastload.buffers import BufferPool
+from vllm_fastload.checkpoint import Checkpoint
 from vllm_fastload.config import FastloadConfig
 from vllm_fastload.errors import InvalidRequestError
 from vllm_fastload.events import LoadProgress, resolve_callback
 from vllm_fastload.executor import LoadStats, PlanExecutor
-from vllm_fastload.format import Checkpoint, TensorInfo
+from vllm_fastload.format import TensorInfo
 from vllm_fastload.plan import LayerGroup, Plan, TensorRequest, build_plan, plan_tensor
 from vllm_fastload.readers import Reader, make_reader
 from vllm_fastload.sources import fstype

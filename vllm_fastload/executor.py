@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import torch
 
 from vllm_fastload.buffers import Buffer, BufferPool
+from vllm_fastload.checkpoint import Checkpoint
 from vllm_fastload.config import FastloadConfig
 from vllm_fastload.errors import CheckpointError, PlanError
 from vllm_fastload.events import LoadProgress
-from vllm_fastload.format import Checkpoint
 from vllm_fastload.plan import Chunk, LayerGroup, Plan, PlannedTensor
 from vllm_fastload.readers import Pending, Reader
 from vllm_fastload.tensors import byte_view, torch_dtype, view_tensor

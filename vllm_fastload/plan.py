@@ -24,8 +24,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vllm_fastload.checkpoint import Checkpoint
 from vllm_fastload.errors import InvalidRequestError, PlanError
-from vllm_fastload.format import Checkpoint, TensorInfo
+from vllm_fastload.format import TensorInfo
 from vllm_fastload.layers import LayerKey, layer_key
 
 #: Buffer positions that start a new read are aligned to this (covers every dtype, and

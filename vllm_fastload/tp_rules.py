@@ -8,7 +8,7 @@ weights along dim 1, everything else (norms, row-parallel biases, routers) whole
 
 from __future__ import annotations
 
-from vllm_fastload.format import Checkpoint
+from vllm_fastload.checkpoint import Checkpoint
 from vllm_fastload.plan import TensorRequest
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "qkv_proj", "gate_proj", "up_proj", "gate_up_proj", "w1", "w3",

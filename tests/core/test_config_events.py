@@ -12,7 +12,7 @@ import torch
 import vllm_fastload
 from vllm_fastload import ConfigError, FastloadConfig, LayerEvent, TensorRequest
 from vllm_fastload.config import SWITCHES, default_threads
-from vllm_fastload.sources.config import RemoteConfig
+from vllm_fastload.config.remote import RemoteConfig
 
 from ._util import open_ckpt, random_tensor, save
 

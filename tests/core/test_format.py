@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 
 import vllm_fastload
+from vllm_fastload.checkpoint import read_safetensors_file
 from vllm_fastload.errors import (
     CheckpointError,
     FileChangedError,
@@ -23,7 +24,7 @@ from vllm_fastload.errors import (
     TensorNotFoundError,
     TruncatedFileError,
 )
-from vllm_fastload.format import MAX_HEADER_BYTES, read_safetensors_file
+from vllm_fastload.format import MAX_HEADER_BYTES
 from vllm_fastload.tools.checkpoints import write_checkpoint
 
 from ._util import (

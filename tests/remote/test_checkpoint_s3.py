@@ -8,9 +8,10 @@ import torch
 from safetensors.torch import load_file
 
 import vllm_fastload
+from vllm_fastload.checkpoint import Checkpoint
 from vllm_fastload.config import ConfigError, FastloadConfig
 from vllm_fastload.errors import AccessDeniedError, CheckpointError
-from vllm_fastload.format import Checkpoint, SafetensorsFile
+from vllm_fastload.format import SafetensorsFile
 from vllm_fastload.readers import select_backend
 from vllm_fastload.sources import LocalSource, ObjectSource, Source
 from vllm_fastload.tp_rules import rank_requests

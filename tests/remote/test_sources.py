@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from vllm_fastload.checkpoint import read_safetensors_file
 from vllm_fastload.errors import (
     AccessDeniedError,
     CheckpointError,
@@ -26,7 +27,6 @@ from vllm_fastload.errors import (
     StoreUnavailableError,
     TruncatedFileError,
 )
-from vllm_fastload.format import read_safetensors_file
 from vllm_fastload.sources import ObjectURI, RemoteConfig, is_remote
 from vllm_fastload.sources.object_store import (
     coalesce,

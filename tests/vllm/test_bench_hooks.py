@@ -162,3 +162,37 @@ def test_machine_state_is_measured(tmp_path: Path):
     assert state.sample_memory() > 0 and state.sample_disk([str(path)]) > 0
     assert "first touch of fresh memory median" in state.summary() and len(state.as_dict()["disk_read_gbps"]) == 1
     assert release_memory(0.01, wait_s=0) > 0
+
+
+_PROBE = """
+import sys
+import vllm.plugins
+vllm.plugins.load_general_plugins()
+from vllm.model_executor import model_loader
+formats = sorted(model_loader._LOAD_FORMAT_TO_MODEL_LOADER)
+tooling = sorted(m for m in sys.modules if m.startswith(("vllm_fastload.bench", "vllm_fastload.tools")))
+print(formats, tooling)
+"""
+
+
+@pytest.mark.parametrize("installed", [False, True])
+def test_only_the_benchmark_installs_its_timers(installed: bool, tmp_path: Path):
+    """vLLM's plugin loading registers fastload and imports no benchmark or demo code, even with
+    the benchmark's variable set; the benchmark's own sitecustomize adds its timers."""
+    import os
+    import subprocess
+    import sys
+
+    site = Path(bench.__file__).parent / "site"
+    env = {**os.environ, "FASTLOAD_BENCH_DIR": str(tmp_path)}
+    if installed:
+        env["PYTHONPATH"] = os.pathsep.join([str(site), env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    formats, tooling = out.stdout.strip().splitlines()[-1].split("] [")
+    assert "'fastload'" in formats
+    if installed:
+        assert "'zerofill'" in formats and "'memcopy'" in formats
+        assert "vllm_fastload.bench.worker_hooks" in tooling
+    else:
+        assert "zerofill" not in formats and tooling == "]"

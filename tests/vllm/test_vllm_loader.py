@@ -20,7 +20,8 @@ from .conftest import ARCHITECTURES, HERE, UNUSED_TENSOR, rewrite, run_scenario
 
 pytestmark = pytest.mark.vllm
 
-SUMMARY = re.compile(r"fastload rank (\d+)/(\d+): read ([\d.]+) MB of ([\d.]+) MB checkpoint \(([\d.]+)\) "
+SUMMARY = re.compile(r"fastload rank (\d+)/(\d+): read ([\d.]+) MB of ([\d.]+) MB checkpoint \(([\d.]+)"
+                     r"(?:, [\d.]+x the [\d.]+ MB it keeps)?\) "
                      r"with backend (\w+) .*?; (\d+) whole and (\d+) sliced reads into parameters, (\d+) tensors "
                      r"read in slabs and copied by vLLM's recorded slicing, (\d+) checkpoint tensors not needed")
 

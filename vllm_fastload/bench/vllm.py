@@ -22,6 +22,7 @@ import functools
 import importlib.util
 import json
 import mmap
+import os
 import re
 import statistics
 import subprocess
@@ -108,6 +109,8 @@ def run_once(model: str, loader: str, tp: int, work: Path, cache: str = "", env_
            json.dumps(extra) if extra else "", json.dumps(LLM_KWARGS.get(loader, {}))]
     env = vllm_env(tp, FASTLOAD_BENCH_DIR=str(probe_dir), FASTLOAD_PROGRESS="false", FASTLOAD_BENCH_CACHE=cache,
                    **(env_extra or {}))
+    # The timers (worker_hooks) are installed by this folder's sitecustomize in every vLLM process.
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent / "site"), env.get("PYTHONPATH", "")])
     log = probe_dir / "vllm.log"
     with log.open("wb") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=900)

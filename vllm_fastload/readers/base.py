@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -10,9 +9,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from vllm_fastload.config import FastloadConfig
-from vllm_fastload.errors import ReadError
 from vllm_fastload.format import SafetensorsFile
 from vllm_fastload.plan import Rows
+from vllm_fastload.sources.local import IOV_MAX, pread_into, preadv_into  # noqa: F401 (the readers' loop)
 
 #: (file offset, length, destination): a uint8 1-D view of exactly ``length`` bytes.
 ReadCall = tuple[int, int, torch.Tensor]
@@ -160,40 +159,3 @@ class Reader(ABC):
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-
-
-#: Most buffers one ``preadv`` takes (1024 on Linux).
-IOV_MAX = max(16, os.sysconf("SC_IOV_MAX")) if "SC_IOV_MAX" in getattr(os, "sysconf_names", {}) else 1024
-
-
-def pread_into(fd: int, path: str, offset: int, view: memoryview) -> None:
-    """Fill ``view`` from ``offset``: retry short reads and EINTR; EOF or EIO raise ReadError."""
-    preadv_into(fd, path, offset, [view])
-
-
-def preadv_into(fd: int, path: str, offset: int, views: list[memoryview]) -> None:
-    """Fill ``views`` (in order) from the file bytes starting at ``offset``, like ``pread_into``.
-
-    ``views`` is consumed: after a short read its first entries are dropped or narrowed.
-    """
-    wanted = sum(len(v) for v in views)
-    done = 0
-    first = 0
-    while done < wanted:
-        try:
-            n = os.preadv(fd, views[first:first + IOV_MAX], offset + done)
-        except InterruptedError:
-            continue
-        except OSError as exc:
-            raise ReadError(f"read of {wanted} bytes at offset {offset} failed after {done} bytes: "
-                            f"{exc.strerror}", file=path) from exc
-        if n == 0:
-            raise ReadError(f"unexpected end of file at offset {offset + done} (wanted {wanted} bytes "
-                            f"from offset {offset}); the file was truncated", file=path)
-        done += n
-        # Step past what arrived: whole views, then the start of a partly filled one.
-        while first < len(views) and n >= len(views[first]):
-            n -= len(views[first])
-            first += 1
-        if n:
-            views[first] = views[first][n:]

@@ -29,7 +29,7 @@ _libc = None
 _supported = True
 
 
-def _load_libc():
+def load_libc():
     global _libc, _supported
     if _libc is None:
         try:
@@ -51,7 +51,7 @@ def populate(address: int, nbytes: int) -> bool:
     hi = (address + nbytes) // PAGE * PAGE
     if not _supported or hi - lo < MIN_BYTES:
         return False
-    libc = _load_libc()
+    libc = load_libc()
     if libc is None:
         return False
     if _resident(libc, lo) and _resident(libc, hi - PAGE):

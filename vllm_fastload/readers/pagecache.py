@@ -16,7 +16,7 @@ import mmap
 import os
 from collections.abc import Sequence
 
-from vllm_fastload.readers.memory import _load_libc
+from vllm_fastload.readers.memory import load_libc
 
 PAGE = mmap.PAGESIZE
 MAP_FAILED = ctypes.c_void_p(-1).value
@@ -89,7 +89,7 @@ def libc_keeping_gil() -> ctypes.PyDLL | None:
     global _libc
     if _libc is None:
         _libc = False
-        plain = _load_libc()  # the same library, found once
+        plain = load_libc()  # the same library, found once
         if plain is not None:
             try:
                 lib = ctypes.PyDLL(plain._name)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from vllm_fastload.config.remote import RemoteConfig
 from vllm_fastload.sources.base import Source
-from vllm_fastload.sources.config import RemoteConfig
 from vllm_fastload.sources.local import LocalSource
 from vllm_fastload.sources.uri import SCHEMES, ObjectURI, is_remote
 

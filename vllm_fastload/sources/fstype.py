@@ -26,7 +26,7 @@ NETWORK = frozenset({
 })
 
 #: Defaults per network filesystem, for fields the user did not set. Measured on sshfs over
-#: loopback (README, "Network filesystems"); the others share the reasoning until measured:
+#: loopback (docs/network-filesystems.md); the others share the reasoning until measured:
 #: - ``strided_min_skip``: a column slice read row by row is one small request per row, each a
 #:   round trip; reading the enclosing rows is a few large requests (the other rank's columns
 #:   are read and dropped, bytes the network delivers faster than it answers round trips).

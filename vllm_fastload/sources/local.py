@@ -63,8 +63,6 @@ class LocalSource:
 
     def read_into(self, offset: int, view: memoryview, *, tensor: str | None = None) -> None:
         """Fill ``view`` from ``offset``; EOF or EIO raise ``ReadError``."""
-        from vllm_fastload.readers.base import pread_into  # the readers' loop (imported late: no cycle)
-
         try:
             pread_into(self._fd, self.path, offset, memoryview(view).cast("B"))
         except ReadError as exc:
@@ -135,3 +133,39 @@ def pread_exact(fd: int, length: int, offset: int, path: str, what: str) -> byte
         data += more
     return data
 
+
+#: Most buffers one ``preadv`` takes (1024 on Linux).
+IOV_MAX = max(16, os.sysconf("SC_IOV_MAX")) if "SC_IOV_MAX" in getattr(os, "sysconf_names", {}) else 1024
+
+
+def pread_into(fd: int, path: str, offset: int, view: memoryview) -> None:
+    """Fill ``view`` from ``offset``: retry short reads and EINTR; EOF or EIO raise ReadError."""
+    preadv_into(fd, path, offset, [view])
+
+
+def preadv_into(fd: int, path: str, offset: int, views: list[memoryview]) -> None:
+    """Fill ``views`` (in order) from the file bytes starting at ``offset``, like ``pread_into``.
+
+    ``views`` is consumed: after a short read its first entries are dropped or narrowed.
+    """
+    wanted = sum(len(v) for v in views)
+    done = 0
+    first = 0
+    while done < wanted:
+        try:
+            n = os.preadv(fd, views[first:first + IOV_MAX], offset + done)
+        except InterruptedError:
+            continue
+        except OSError as exc:
+            raise ReadError(f"read of {wanted} bytes at offset {offset} failed after {done} bytes: "
+                            f"{exc.strerror}", file=path) from exc
+        if n == 0:
+            raise ReadError(f"unexpected end of file at offset {offset + done} (wanted {wanted} bytes "
+                            f"from offset {offset}); the file was truncated", file=path)
+        done += n
+        # Step past what arrived: whole views, then the start of a partly filled one.
+        while first < len(views) and n >= len(views[first]):
+            n -= len(views[first])
+            first += 1
+        if n:
+            views[first] = views[first][n:]

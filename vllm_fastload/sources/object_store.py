@@ -41,6 +41,7 @@ except ImportError as _exc:  # pragma: no cover - exercised only without the ext
     raise ImportError("reading s3://, gs://, az:// or http(s):// checkpoints needs obstore: "
                       "pip install 'vllm-fastload[remote]'") from _exc
 
+from vllm_fastload.config.remote import RemoteConfig
 from vllm_fastload.errors import (
     AccessDeniedError,
     CheckpointError,
@@ -51,7 +52,6 @@ from vllm_fastload.errors import (
     StoreUnavailableError,
 )
 from vllm_fastload.format import INDEX_NAME, SafetensorsFile, header_length, parse_file, parse_weight_map
-from vllm_fastload.sources.config import RemoteConfig
 from vllm_fastload.sources.uri import ObjectURI
 
 T = TypeVar("T")

@@ -249,8 +249,3 @@ def main(args) -> int:
           ("" if not bad else "; do not switch these to fastload; please report them with this output"))
     return 1 if bad else 0
 
-
-if __name__ == "__main__":  # pragma: no cover - the CLI is `vllm-fastload verify`
-    from vllm_fastload.cli import main as cli_main
-
-    sys.exit(cli_main(["verify", *sys.argv[1:]]))

@@ -7,8 +7,6 @@ idempotent and must not fail loudly: vLLM logs and swallows plugin errors, after
 
 from __future__ import annotations
 
-import os
-
 LOAD_FORMAT = "fastload"
 
 
@@ -23,11 +21,6 @@ def register() -> None:
         model_loader.register_model_loader(LOAD_FORMAT)(FastloadModelLoader)
         _route_core_logs_to_vllm()
     _allow_object_storage()
-    bench_dir = os.environ.get("FASTLOAD_BENCH_DIR")
-    if bench_dir:  # `vllm-fastload bench` measures load_weights inside each worker
-        from vllm_fastload.bench.worker_hooks import install
-
-        install(bench_dir)
 
 
 def _allow_object_storage() -> None:

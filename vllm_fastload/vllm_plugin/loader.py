@@ -20,6 +20,7 @@ from vllm_fastload import exchange
 from vllm_fastload.config import FastloadConfig
 from vllm_fastload.errors import CheckpointError, ConfigError
 from vllm_fastload.sources import is_remote
+from vllm_fastload.vllm_plugin import compat
 from vllm_fastload.vllm_plugin.rank import load_rank, model_device
 
 # Under "vllm." so vLLM's own handlers and format apply.
@@ -84,11 +85,9 @@ class FastloadModelLoader(BaseModelLoader):
         """
         if loaded is None:
             return
-        from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
-
         quantized = model_config.quantization is not None
         try:
-            DefaultModelLoader.track_weights_loading(self, model, set(loaded), quantized=quantized)
+            compat.track_weights_loading(self, model, set(loaded), quantized)
         except ValueError as exc:
             hint = (f"; the checkpoint's tensors do not match its quantization config ({model_config.quantization})"
                     if quantized else "")

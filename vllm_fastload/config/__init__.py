@@ -30,8 +30,8 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from vllm_fastload.config.remote import RemoteConfig
 from vllm_fastload.errors import ConfigError
-from vllm_fastload.sources.config import RemoteConfig
 
 ENV_PREFIX = "FASTLOAD_"
 #: Separates a nested field in a variable's name: ``FASTLOAD_REMOTE__TIMEOUT_S=10``.
@@ -116,7 +116,7 @@ class FastloadConfig(BaseSettings):
     hugepages: bool = Field(True, description="Ask for transparent huge pages on host buffers "
                             "(fresh memory is ~6x faster to fill that way).")
     remote: RemoteConfig = Field(default_factory=RemoteConfig, description="Object store settings for "
-                                 "s3://, gs://, az:// and http(s):// checkpoints (see sources.config).")
+                                 "s3://, gs://, az:// and http(s):// checkpoints (see config.remote).")
 
     @field_validator("on_layer_ready", mode="before")
     @classmethod

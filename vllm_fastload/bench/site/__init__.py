@@ -1,0 +1,1 @@
+"""Put on PYTHONPATH by the benchmark (see sitecustomize.py); never imported as a package."""
