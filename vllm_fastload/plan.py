@@ -378,14 +378,15 @@ def _build_chunks(tensors: Sequence[PlannedTensor], aggregate_size: int) -> list
         if not _one_range(t):  # a slice read row by row: one call for all its rows
             current.ops.append(ReadOp(t.rows.offset, t.read_bytes, pos, rows=t.rows))
             pos += t.read_bytes
-        for offset, length in t.ranges if _one_range(t) else ():
-            last = current.ops[-1] if current.ops else None
-            if (last is not None and last.rows is None and last.file_offset + last.length == offset
-                    and last.buf_offset + last.length == pos):
-                last.length += length
-            else:
-                current.ops.append(ReadOp(offset, length, pos))
-            pos += length
+        else:
+            for offset, length in t.ranges:
+                last = current.ops[-1] if current.ops else None
+                if (last is not None and last.rows is None and last.file_offset + last.length == offset
+                        and last.buf_offset + last.length == pos):
+                    last.length += length
+                else:
+                    current.ops.append(ReadOp(offset, length, pos))
+                pos += length
         current.nbytes = max(current.nbytes, pos)
     return chunks
 

@@ -28,6 +28,14 @@ def _t(source: str) -> bool:
     return source.endswith("_t")
 
 
+def _add_linear(tensors: dict, key: str, out_f: int, in_f: int, transposed: bool, bias: bool,
+                dtype: torch.dtype, gen: torch.Generator) -> None:
+    """A linear layer's checkpoint tensors: the weight ((in, out) where stored transposed), then the bias."""
+    tensors[key + ".weight"] = random_tensor((in_f, out_f) if transposed else (out_f, in_f), dtype, gen)
+    if bias:
+        tensors[key + ".bias"] = random_tensor((out_f,), dtype, gen)
+
+
 @st.composite
 def linear(draw) -> Case:
     """Column- or row-parallel linear, weight and bias; the weight narrowed on dim 0 or 1,
@@ -85,16 +93,9 @@ def qkv(draw) -> Case:
     tensors = {}
     if source.startswith("separate"):
         for s, n in sizes.items():
-            tensors[f"{PREFIX}attn.{s}_proj.weight"] = random_tensor((hidden, n) if _t(source) else (n, hidden),
-                                                                     dtype, gen)
-            if bias:
-                tensors[f"{PREFIX}attn.{s}_proj.bias"] = random_tensor((n,), dtype, gen)
+            _add_linear(tensors, f"{PREFIX}attn.{s}_proj", n, hidden, _t(source), bias, dtype, gen)
     else:
-        total = sum(sizes.values())
-        tensors[PREFIX + "attn.qkv.weight"] = random_tensor((hidden, total) if _t(source) else (total, hidden),
-                                                            dtype, gen)
-        if bias:
-            tensors[PREFIX + "attn.qkv.bias"] = random_tensor((total,), dtype, gen)
+        _add_linear(tensors, PREFIX + "attn.qkv", sum(sizes.values()), hidden, _t(source), bias, dtype, gen)
 
     def route(name, w):
         kind = name.rsplit(".", 1)[1]
@@ -133,15 +134,9 @@ def merged(draw) -> Case:
     tensors = {}
     if source == "separate":
         for i, n in enumerate(sizes):
-            tensors[f"{PREFIX}mlp.part{i}.weight"] = random_tensor((n, hidden), dtype, gen)
-            if bias:
-                tensors[f"{PREFIX}mlp.part{i}.bias"] = random_tensor((n,), dtype, gen)
+            _add_linear(tensors, f"{PREFIX}mlp.part{i}", n, hidden, False, bias, dtype, gen)
     else:
-        total = sum(sizes)
-        tensors[PREFIX + "mlp.fused.weight"] = random_tensor((hidden, total) if _t(source) else (total, hidden),
-                                                             dtype, gen)
-        if bias:
-            tensors[PREFIX + "mlp.fused.bias"] = random_tensor((total,), dtype, gen)
+        _add_linear(tensors, PREFIX + "mlp.fused", sum(sizes), hidden, _t(source), bias, dtype, gen)
 
     def route(name, w):
         kind = name.rsplit(".", 1)[1]
