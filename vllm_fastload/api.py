@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -41,7 +41,8 @@ class FastCheckpoint:
     - ``read_into`` fills tensors the caller already owns.
     """
 
-    def __init__(self, path: str | os.PathLike | Checkpoint, device: str | torch.device = "cpu",
+    def __init__(self, path: str | os.PathLike | Sequence[str | os.PathLike] | Checkpoint,
+                 device: str | torch.device = "cpu",
                  config: FastloadConfig | Mapping[str, Any] | None = None, *,
                  show_progress: bool | None = None) -> None:
         self.config = FastloadConfig.from_env() if config is None else FastloadConfig.build(config)

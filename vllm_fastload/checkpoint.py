@@ -4,7 +4,7 @@ table from tensor name to ``TensorInfo``."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -59,13 +59,20 @@ class Checkpoint:
             raise
 
     @classmethod
-    def discover(cls, path: str | os.PathLike, *, remote: RemoteConfig | Mapping[str, Any] | None = None,
+    def discover(cls, path: str | os.PathLike | Sequence[str | os.PathLike], *,
+                 remote: RemoteConfig | Mapping[str, Any] | None = None,
                  memory_budget: int | None = None) -> Checkpoint:
-        """The checkpoint at a local path or an object store URI (``s3://bucket/prefix``, ...).
+        """The checkpoint at a local path or an object store URI (``s3://bucket/prefix``, ...), or
+        exactly the local files listed (a caller that chose them, e.g. by a model's own patterns).
 
         ``remote`` configures the object store client and ``memory_budget`` bounds its requests
         in flight; both are ignored for local paths.
         """
+        if not isinstance(path, (str, os.PathLike)):
+            files = [Path(p) for p in path]
+            if not files:
+                raise MissingFileError("no checkpoint files were given", file="")
+            return cls(_read_all(files), source=os.path.commonpath([str(f.parent) for f in files]))
         if is_remote(path):
             return cls._discover_remote(str(path), remote, memory_budget)
         root = Path(path)

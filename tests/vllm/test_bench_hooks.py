@@ -18,11 +18,14 @@ from vllm_fastload.bench import worker_hooks
 def registry(tmp_path: Path):
     """Install the hooks; afterwards unregister the reference loaders and unwrap the timers."""
     from vllm.model_executor import model_loader
+    from vllm.model_executor.model_loader import base_loader
 
     reg = model_loader._LOAD_FORMAT_TO_MODEL_LOADER
     before = dict(reg)
+    load_model, post = base_loader.BaseModelLoader.load_model, base_loader.process_weights_after_loading
     worker_hooks.install(str(tmp_path))
     yield reg
+    base_loader.BaseModelLoader.load_model, base_loader.process_weights_after_loading = load_model, post
     for cls in set(reg.values()):
         wrapped = getattr(cls.load_weights, "__wrapped__", None)
         if getattr(cls.load_weights, "_fastload_timed", False) and wrapped is not None:
@@ -62,14 +65,16 @@ def test_reference_loaders_write_every_parameter_and_record_the_rank(registry, t
         assert r["rank"] == 0 and r["seconds"] > 0 and r["hwm_after_kb"] >= r["rss_before_kb"] > 0
 
 
-def _run(seconds: list[float], rchar: int = 0) -> dict:
-    return {"ranks": [{"seconds": s, "rchar": rchar, "read_bytes": 0, "hwm_after_kb": 1024} for s in seconds]}
+def _run(seconds: list[float], rchar: int = 0, ready: float = 30.0) -> dict:
+    """One start's records: per rank load_weights ``s``, load_model ``s + 1`` of which 0.1 post-processing."""
+    return {"ranks": [{"seconds": s, "rchar": rchar, "read_bytes": 0, "hwm_after_kb": 1024, "load_model_s": s + 1,
+                       "post_s": 0.1} for s in seconds], "ready_s": ready}
 
 
 def test_summary_takes_the_slowest_rank_and_compares_with_default_and_floor(capsys):
     results = {
         "tp2|warm|fastload": [_run([0.6, 0.8], rchar=900), _run([0.7, 0.5], rchar=900), _run([1.0, 0.9], rchar=900)],
-        "tp2|warm|safetensors": [_run([1.0, 0.9]), _run([1.0, 1.1]), _run([1.2, 1.0])],
+        "tp2|warm|safetensors": [_run([1.0, 0.9], ready=40), _run([1.0, 1.1], ready=41), _run([1.2, 1.0], ready=39)],
         "tp2|warm|zerofill (floor)": [_run([0.4, 0.5])],
         "tp2|warm|memcopy (copy floor)": [_run([0.55, 0.6])],
         "tp2|cold|fastload": [{"error": "exit 1, 1 rank records; log tail:\nboom"}],
@@ -82,10 +87,16 @@ def test_summary_takes_the_slowest_rank_and_compares_with_default_and_floor(caps
     assert fast["rchar_per_rank"] == 900
     assert rows["memcopy (copy floor)|warm"]["vs_floor"] == pytest.approx(0.6 / 0.5)
     assert "boom" in rows["fastload|cold"]["error"]
+    # What users wait for: load_model of the slowest rank, and the start to ready.
+    assert (fast["load_model_median"], fast["load_model_min"], fast["load_model_max"]) == pytest.approx((1.8, 1.7, 2.0))
+    assert fast["post_median"] == pytest.approx(0.1)
+    assert fast["load_model_vs_safetensors"] == pytest.approx(1.8 / 2.1)
+    assert fast["ready_median"] == pytest.approx(30.0) and fast["ready_vs_safetensors"] == pytest.approx(30 / 40)
 
     bench.print_table(list(rows.values()))
     out = capsys.readouterr().out
     assert "memcopy (copy floor)" in out and "FAILED" in out and "0.73x" in out
+    assert "load_model s" in out and "0.86x" in out and "0.75x" in out
 
 
 def _row(tp: str, cache: str, loader: str, median: float, lo: float, hi: float, disk: int = 0) -> dict:

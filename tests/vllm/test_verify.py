@@ -22,6 +22,7 @@ pytestmark = pytest.mark.vllm
 
 sys.path.insert(0, str(HERE))
 import registry  # noqa: E402
+import zoo  # noqa: E402
 
 
 def _verify(*args: str, env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
@@ -36,6 +37,29 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("verify")
     return {"demo": write_checkpoint(root / "demo", DEMO_SPEC, files=2),
             "gpt2": registry.build("GPT2LMHeadModel", root, "large")}
+
+
+@pytest.fixture(scope="module")
+def core_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """A dense, an MoE and a quantized checkpoint (compressed-tensors W8A8 int8)."""
+    root = tmp_path_factory.mktemp("verify-core")
+    return {"LlamaForCausalLM": write_checkpoint(root / "dense", DEMO_SPEC, files=2),
+            "MixtralForCausalLM": registry.build("MixtralForCausalLM", root, "small"),
+            "quantized LlamaForCausalLM": zoo.build_quantized("llama-w8a8-int8", root)}
+
+
+@pytest.mark.core
+@pytest.mark.parametrize("tp", [1, 2])
+def test_dense_moe_and_quantized_are_exact_on_every_rank(core_checkpoints, tp):
+    """Every parameter on every rank equals the default loader's, after loading and after vLLM's
+    post-processing (the vLLM end-to-end check that runs against every tested vLLM release)."""
+    proc = _verify(*map(str, core_checkpoints.values()), "--tp", str(tp))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "verdict: 3 of 3 exact" in proc.stdout, proc.stdout
+    for path in core_checkpoints.values():
+        line = next(line for line in proc.stdout.splitlines() if f"({path})" in line)
+        assert f"exact on all {tp} ranks" in line and "after loading and after post-processing" in line, line
+        assert "planned per rank" in line, line
 
 
 def test_verify_passes_the_demo_checkpoint_and_a_zoo_family(checkpoints):

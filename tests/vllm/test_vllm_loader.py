@@ -35,7 +35,8 @@ def assert_ok(result: dict) -> None:
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+@pytest.mark.parametrize("arch", [pytest.param(a, marks=pytest.mark.core) if a == "llama-gqa" else a
+                                  for a in ARCHITECTURES])
 def test_fastload_equals_default_loader(arch, tp, checkpoints, scenarios, tmp_path):
     extra, env = None, None
     # Two of the TP=2 runs share row-parallel weights between the ranks (the row exchange, which
@@ -232,6 +233,7 @@ def registered(env_plugins: str | None) -> bool:
     return "REGISTERED" in out.stdout
 
 
+@pytest.mark.core
 def test_entry_point_registers_and_respects_vllm_plugins():
     assert registered(None)
     assert registered("fastload")

@@ -112,13 +112,18 @@ def run_once(model: str, loader: str, tp: int, work: Path, cache: str = "", env_
     # The timers (worker_hooks) are installed by this folder's sitecustomize in every vLLM process.
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent / "site"), env.get("PYTHONPATH", "")])
     log = probe_dir / "vllm.log"
+    started = time.time()
     with log.open("wb") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=900)
     ranks = [json.loads(p.read_text()) for p in sorted(probe_dir.glob("rank*.json"))]
-    if proc.returncode != 0 or len(ranks) != tp:
+    models = {r["rank"]: r for r in (json.loads(p.read_text()) for p in probe_dir.glob("model*.json"))}
+    ready = probe_dir / "ready.json"
+    if proc.returncode != 0 or len(ranks) != tp or not ready.exists():
         cause = root_cause(log.read_text(errors="replace"))
         return {"error": f"exit {proc.returncode}, {len(ranks)} rank records: {cause} (log: {log})"}
-    return {"ranks": ranks}
+    for r in ranks:
+        r.update({k: v for k, v in models.get(r["rank"], {}).items() if k != "rank"})
+    return {"ranks": ranks, "ready_s": json.loads(ready.read_text())["ready_at"] - started}
 
 
 def _start_s3(model: str, env: dict[str, str], *, name: str, tp: int, work: Path, cache: str) -> dict:
@@ -300,6 +305,11 @@ def summarize(results: dict[str, list[dict]], total: int) -> list[dict]:
             "tp": tp, "cache": cache, "loader": name, "runs": len(ok), "failed_runs": len(runs) - len(ok),
             "seconds_median": statistics.median(per_rank_max), "seconds_min": min(per_rank_max),
             "seconds_max": max(per_rank_max),
+            # What users wait for: load_model (slowest rank), of it vLLM's post-processing, and the
+            # process start to the engine constructed.
+            **_medians("load_model_s", [max(r.get("load_model_s", 0.0) for r in run["ranks"]) for run in ok]),
+            **_medians("post_s", [max(r.get("post_s", 0.0) for r in run["ranks"]) for run in ok]),
+            **_medians("ready_s", [run["ready_s"] for run in ok if "ready_s" in run]),
             "rchar_per_rank": max(r["rchar"] for run in ok for r in run["ranks"]),
             "disk_read_per_rank": max(r["read_bytes"] for run in ok for r in run["ranks"]),
             "peak_rss_mb": max(r["hwm_after_kb"] for run in ok for r in run["ranks"]) / 1024,
@@ -314,7 +324,18 @@ def summarize(results: dict[str, list[dict]], total: int) -> list[dict]:
         if "error" not in row:
             row["vs_safetensors"] = row["seconds_median"] / base["seconds_median"] if base else None
             row["vs_floor"] = row["seconds_median"] / floor["seconds_median"] if floor else None
+            for stem in ("load_model", "ready"):
+                if base and f"{stem}_median" in row and base.get(f"{stem}_median"):
+                    row[f"{stem}_vs_safetensors"] = row[f"{stem}_median"] / base[f"{stem}_median"]
     return rows
+
+
+def _medians(key: str, values: list[float]) -> dict[str, float]:
+    """``key_median``, ``key_min`` and ``key_max`` over the runs (nothing if none measured it)."""
+    if not values:
+        return {}
+    stem = key.removesuffix("_s")
+    return {f"{stem}_median": statistics.median(values), f"{stem}_min": min(values), f"{stem}_max": max(values)}
 
 
 def _row(rows: list[dict], tp: str, cache: str, loader: str) -> dict | None:
@@ -337,11 +358,32 @@ def print_table(rows: list[dict]) -> None:
         print(f"{r['tp'][2:]:<4}{r['cache']:<6}{r['loader']:<27}{r['seconds_median']:>9.2f}{r['seconds_min']:>7.2f}"
               f"{r['seconds_max']:>7.2f}{r['runs']:>3}{vs:>11}{fl:>9}{r['rchar_per_rank'] / 1e9:>13.2f}"
               f"{r['disk_read_per_rank'] / 1e9:>13.2f}{r['peak_rss_mb']:>12.0f}{sv}")
+    print_wait_table(rows)
     print("median/min/max: load_weights of the slowest rank over n runs; vs: ratio of medians (floor: the warm "
           "zero-fill row); read/rank: bytes through read calls (mmap page faults are not counted there); "
           "disk/rank: bytes fetched from storage"
           + ("; served/rank: bytes the object store served each rank (counted by a proxy in front of it); "
              "safetensors+download: load_weights plus the download of the local copy" if served else ""))
+
+
+def print_wait_table(rows: list[dict]) -> None:
+    """What users wait for: vLLM's ``load_model`` and the process start to the engine constructed."""
+    measured = [r for r in rows if "load_model_median" in r]
+    if not measured:
+        return
+    print(f"\n{'tp':<4}{'cache':<6}{'loader':<27}{'load_model s':>13}{'min-max':>12}{'post s':>8}{'vs default':>11}"
+          f"{'ready s':>9}{'min-max':>13}{'vs default':>11}")
+    for r in measured:
+        lm_vs = f"{r['load_model_vs_safetensors']:.2f}x" if r.get("load_model_vs_safetensors") else "-"
+        rd_vs = f"{r['ready_vs_safetensors']:.2f}x" if r.get("ready_vs_safetensors") else "-"
+        ready = (f"{r['ready_median']:>9.1f}{r['ready_min']:>6.1f}-{r['ready_max']:<6.1f}" if "ready_median" in r
+                 else f"{'-':>9}{'':>13}")
+        print(f"{r['tp'][2:]:<4}{r['cache']:<6}{r['loader']:<27}{r['load_model_median']:>13.2f}"
+              f"{r['load_model_min']:>6.2f}-{r['load_model_max']:<5.2f}{r['post_median']:>8.3f}{lm_vs:>11}"
+              f"{ready}{rd_vs:>11}")
+    print("load_model: vLLM's BaseModelLoader.load_model on the slowest rank (model init, load_weights, "
+          "post-processing); post: of it process_weights_after_loading; ready: the bench starting the process "
+          "to vLLM's LLM(...) returning (medians, min-max over the runs; vs default: ratio of medians)")
 
 
 # -- targets -------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """Benchmark instrumentation inside vLLM's worker processes (active only with FASTLOAD_BENCH_DIR set).
 
 Wraps ``load_weights`` of every registered loader to record, per rank: seconds, bytes the
-process read (``/proc/self/io``), RSS before and peak RSS after. Also registers two
+process read (``/proc/self/io``), RSS before and peak RSS after; and vLLM's
+``BaseModelLoader.load_model`` (what the worker waits for: model init, ``load_weights``, the
+post-processing) with its ``process_weights_after_loading`` inside. Also registers two
 reference loaders that read no file:
 
 - ``zerofill`` writes zeros into every parameter: the cost of touching fresh parameter
@@ -21,7 +23,6 @@ import time
 from pathlib import Path
 
 from vllm_fastload.bench.core import status_kb
-from vllm_fastload.bench.machine import evict
 
 #: Numbers the loads of one process, so that a second load does not overwrite the first's record.
 _loads = itertools.count()
@@ -77,19 +78,17 @@ CACHE_ENV = "FASTLOAD_BENCH_CACHE"
 
 
 def _set_cache_state(cache: str | None, model_config, rank: int) -> None:
-    """Make the cache state true right before the clock starts, not only before vLLM starts.
+    """Keep a warm cache warm right before the clock starts, not only before vLLM starts.
 
     vLLM takes ~30 s from its start to ``load_weights``, and a VM may reclaim page cache it finds
     idle meanwhile (ours runs DAMON with a ``pageout`` scheme for memory idle ~60 s): a "warm" run
     read up to 1 GB from disk before this. Rank 0 does it for all ranks (they share the page cache).
+    A cold cache is made cold before the process starts (``bench.vllm``), never here: whatever a
+    loader reads before ``load_weights`` (early reads) must count as the time it saves.
     """
-    if cache not in ("warm", "cold") or rank != 0 or model_config is None:
+    if cache != "warm" or rank != 0 or model_config is None:
         return
-    files = sorted(str(p) for p in Path(model_config.model).glob("*.safetensors"))
-    if cache == "cold":
-        evict(files)
-        return
-    for path in files:
+    for path in sorted(str(p) for p in Path(model_config.model).glob("*.safetensors")):
         with open(path, "rb") as f:
             while f.read(64 << 20):
                 pass
@@ -138,3 +137,39 @@ def install(out_dir: str) -> None:
     path = Path(out_dir)
     for cls in set(registry.values()):
         _timed(cls, path)
+    _time_load_model(path)
+
+
+def _time_load_model(out_dir: Path) -> None:
+    """Record ``load_model`` and its post-processing per rank (``model{rank}-*.json``)."""
+    from vllm.model_executor.model_loader import base_loader
+
+    original = base_loader.BaseModelLoader.load_model
+    if getattr(original, "_fastload_timed", False):
+        return
+    post = base_loader.process_weights_after_loading
+    spent = {"post": 0.0}
+
+    @functools.wraps(post)
+    def process_weights_after_loading(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return post(*args, **kwargs)
+        finally:
+            spent["post"] += time.perf_counter() - start
+
+    @functools.wraps(original)
+    def load_model(self, *args, **kwargs):
+        import torch.distributed as dist
+
+        spent["post"] = 0.0
+        start = time.perf_counter()
+        model = original(self, *args, **kwargs)
+        record = {"rank": dist.get_rank() if dist.is_initialized() else 0,
+                  "load_model_s": time.perf_counter() - start, "post_s": spent["post"]}
+        (out_dir / f"model{record['rank']}-{os.getpid()}-{next(_loads)}.json").write_text(json.dumps(record))
+        return model
+
+    load_model._fastload_timed = True
+    base_loader.process_weights_after_loading = process_weights_after_loading
+    base_loader.BaseModelLoader.load_model = load_model

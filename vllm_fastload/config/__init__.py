@@ -38,7 +38,8 @@ ENV_PREFIX = "FASTLOAD_"
 ENV_NESTED = "__"
 #: Variables with our prefix that are switches of the project's scripts and adapters, not config fields.
 SWITCHES = frozenset({"FASTLOAD_TGI", "FASTLOAD_BENCH_DIR", "FASTLOAD_BENCH_CACHE", "FASTLOAD_BENCH_ENDPOINTS",
-                      "FASTLOAD_TEST_EVENTS", "FASTLOAD_VENV"})
+                      "FASTLOAD_TEST_EVENTS", "FASTLOAD_TEST_NO_SKIPS", "FASTLOAD_TEST_VLLM", "FASTLOAD_VENV",
+                      "FASTLOAD_VLLM"})
 
 LayerCallback = Callable[..., Any]
 

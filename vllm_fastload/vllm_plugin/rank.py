@@ -71,10 +71,11 @@ class RankReport:
                 f"{phases}); {self.summary}")
 
 
-def load_rank(model: nn.Module, path: str, config: FastloadConfig, *, device: torch.device | str = "cpu",
-              rank: int = 0, world: int = 1, collectives: exchange.Collectives | None = None,
-              show_progress: bool = False) -> RankReport:
-    """Fill ``model``'s parameters from the checkpoint at ``path`` as this rank's ``load_weights`` would.
+def load_rank(model: nn.Module, path: str | list[str], config: FastloadConfig, *,
+              device: torch.device | str = "cpu", rank: int = 0, world: int = 1,
+              collectives: exchange.Collectives | None = None, show_progress: bool = False) -> RankReport:
+    """Fill ``model``'s parameters from the checkpoint at ``path`` (or exactly the files listed) as
+    this rank's ``load_weights`` would.
 
     ``collectives``: the tensor-parallel group's, at TP>1 (every rank of it must call this, also
     one that fails: it still takes part in the one agreement, so that no rank waits for it).
@@ -87,7 +88,7 @@ def load_rank(model: nn.Module, path: str, config: FastloadConfig, *, device: to
         raise
 
 
-def _load(model: nn.Module, path: str, config: FastloadConfig, device: torch.device, rank: int, world: int,
+def _load(model: nn.Module, path: str | list[str], config: FastloadConfig, device: torch.device, rank: int, world: int,
           sharing: _Sharing, show_progress: bool) -> RankReport:
     start = time.perf_counter()
     whole = whole_reads_config(config, world)
@@ -115,7 +116,7 @@ def _load(model: nn.Module, path: str, config: FastloadConfig, device: torch.dev
                     ckpt.last_stats, backend = again.last_stats, again.reader.name
             phases["read"] = time.perf_counter() - start - probe_s
         else:
-            _check_fully_written(probe, path)
+            _check_fully_written(probe, ckpt.checkpoint.source)
             if world == 1:
                 _check_fully_used(probe, infos)
             planning = time.perf_counter()

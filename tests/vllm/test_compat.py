@@ -1,0 +1,79 @@
+"""The supported vLLM range: the running vLLM is in it, an untested one gets one log line per
+process, and a vLLM lacking an interface fastload needs stops start-up with an error naming it."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import vllm
+from vllm.config.load import LoadConfig
+
+from vllm_fastload.vllm_plugin import compat
+from vllm_fastload.vllm_plugin.loader import FastloadModelLoader
+
+from .conftest import HERE, run_scenario
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.mark.core
+def test_the_running_vllm_is_a_supported_release():
+    """scripts/test.sh names the release each environment must hold (FASTLOAD_TEST_VLLM), so an
+    environment that silently resolved another vLLM fails here."""
+    assert compat.is_supported(vllm.__version__), vllm.__version__
+    expected = os.environ.get("FASTLOAD_TEST_VLLM")
+    if expected:
+        assert vllm.__version__ == expected
+    assert compat.missing_interfaces() == []
+
+
+@pytest.mark.core
+def test_supported_range_is_by_release():
+    assert compat.supported_range() == "vLLM 0.29 to 0.32"
+    for version in ("0.29.0", "0.30.1", "0.32.0", "0.32.3"):
+        assert compat.is_supported(version), version
+    for version in ("0.28.2", "0.33.0", "0.33.0rc1", "1.0.0", "unknown", ""):
+        assert not compat.is_supported(version), version
+
+
+@pytest.mark.core
+def test_an_untested_vllm_is_named_once_per_process(monkeypatch, caplog):
+    monkeypatch.setattr(vllm, "__version__", "0.99.0")
+    monkeypatch.setattr(compat, "_noted", False)
+    with caplog.at_level(logging.WARNING, logger="vllm.fastload"):
+        compat.note_release()
+        compat.note_release()
+    lines = [r.getMessage() for r in caplog.records if "outside the range" in r.getMessage()]
+    assert lines == ["fastload: vLLM 0.99.0 is outside the range this fastload is tested with (vLLM 0.29 to "
+                     "0.32); `vllm-fastload verify MODEL --tp N` checks it on your checkpoint"]
+
+
+@pytest.mark.core
+def test_a_missing_interface_stops_the_loader_naming_it(monkeypatch):
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    monkeypatch.delattr(DefaultModelLoader, "track_weights_loading")
+    with pytest.raises(compat.UnsupportedVllmError,
+                       match=r"lacks DefaultModelLoader\.track_weights_loading\. fastload supports vLLM 0\.29 to "
+                             r"0\.32"):
+        FastloadModelLoader(LoadConfig(load_format="fastload"))
+
+
+def test_vllm_without_an_interface_fails_at_start_naming_it_and_reads_nothing(checkpoints, tmp_path):
+    """A real start on a vLLM that calls itself 0.99.0 and lacks ``track_weights_loading`` (every
+    process vLLM starts imports old_vllm/sitecustomize.py, which makes it so): every process logs
+    the untested release once, and the start stops before any weight is read, naming the interface."""
+    env = {"PYTHONPATH": os.pathsep.join([str(HERE / "old_vllm"), str(HERE), os.environ.get("PYTHONPATH", "")]),
+           "SCENARIO_GENERATE": "0"}
+    result = run_scenario(tmp_path, "old-vllm", checkpoints["llama-gqa"], "fastload", 1, env=env, timeout=300)
+    assert "error" in result and "digests" not in result, result["log"][-3000:]
+    log = result["log"]
+    assert ("fastload cannot run on vLLM 0.99.0: it lacks DefaultModelLoader.track_weights_loading. fastload "
+            "supports vLLM 0.29 to 0.32") in log, log[-4000:]
+    noted = [line.split("WARNING")[0] for line in log.splitlines()
+             if "vLLM 0.99.0 is outside the range this fastload is tested with" in line]
+    # The engine core and the worker (vLLM prefixes their lines with their pids), and this process.
+    assert len(noted) >= 3 and len(set(noted)) == len(noted), noted
+    assert "fastload rank 0/1: read" not in log  # stopped before reading
