@@ -77,3 +77,17 @@ def test_vllm_without_an_interface_fails_at_start_naming_it_and_reads_nothing(ch
     # The engine core and the worker (vLLM prefixes their lines with their pids), and this process.
     assert len(noted) >= 3 and len(set(noted)) == len(noted), noted
     assert "fastload rank 0/1: read" not in log  # stopped before reading
+
+
+@pytest.mark.core
+def test_a_vllm_that_cannot_register_the_loader_is_warned_about_not_stopped(monkeypatch, caplog):
+    """The plugin runs in every vLLM process, also in those that never load with fastload: where it
+    cannot register, it says why and lets vLLM start."""
+    from vllm.model_executor import model_loader
+
+    from vllm_fastload.vllm_plugin import register
+
+    monkeypatch.delattr(model_loader, "register_model_loader")
+    with caplog.at_level(logging.WARNING, logger="vllm.fastload"):
+        register()
+    assert any("it lacks the loader registry (register_model_loader)" in r.getMessage() for r in caplog.records)

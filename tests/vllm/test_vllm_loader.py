@@ -54,6 +54,10 @@ def test_fastload_equals_default_loader(arch, tp, checkpoints, scenarios, tmp_pa
     ref = scenarios.get(arch, checkpoints[arch], "safetensors", tp)
     assert_ok(fast)
     assert_ok(ref)
+    # The process that built vLLM's config started reading the checkpoint (early reads); the
+    # default loader's start did not.
+    assert "fastload: early reads: " in fast["log"], fast["log"][-3000:]
+    assert "fastload: early reads" not in ref["log"]
 
     # Every parameter (and buffer) on every rank is bit-identical to the default loader's.
     assert len(fast["digests"]) == len(ref["digests"]) == tp

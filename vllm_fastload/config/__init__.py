@@ -114,6 +114,10 @@ class FastloadConfig(BaseSettings):
                              "in the page cache of a local file, and with direct_io 'never' all of them, as "
                              "views of a private mapping of the file (as safetensors' safe_open does) "
                              "instead of copying them into read buffers.")
+    early_reads: bool = Field(True, description="vLLM loader: as soon as vLLM has built its config (in the "
+                              "process that builds it, long before the workers ask for weights), ask the kernel "
+                              "to read a local checkpoint into the page cache in the background, if it fits in "
+                              "half of the memory available then; load_weights then finds it there.")
     hugepages: bool = Field(True, description="Ask for transparent huge pages on host buffers "
                             "(fresh memory is ~6x faster to fill that way).")
     remote: RemoteConfig = Field(default_factory=RemoteConfig, description="Object store settings for "

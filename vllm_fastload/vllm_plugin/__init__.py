@@ -1,9 +1,9 @@
 """vLLM integration: ``register()`` is the ``vllm.general_plugins`` entry point.
 
 vLLM calls it once per process (API server, engine core, every worker), so it must be
-idempotent. vLLM logs and swallows a plugin's errors, after which ``--load-format fastload``
-would only say "not supported": so ``register`` raises only where it cannot register at all, and
-the loader itself stops start-up over anything else missing (``compat.require``).
+idempotent, and it must never stop a vLLM that does not load with fastload: an exception raised
+here would end every start of every model. So ``register`` only warns where it cannot register,
+and the loader, once chosen, stops start-up over anything else missing (``compat.require``).
 """
 
 from __future__ import annotations
@@ -14,20 +14,27 @@ LOAD_FORMAT = "fastload"
 def register() -> None:
     """Register ``FastloadModelLoader`` under ``--load-format fastload`` (idempotent).
 
-    On a vLLM outside the supported range it logs one line; where vLLM lacks the loader registry
-    itself it raises, naming it (vLLM logs that); other missing interfaces stop the load when the
-    loader is created, before anything is read (``compat.require``).
+    On a vLLM outside the supported range it logs one line; where vLLM lacks what registering
+    needs it logs which (``--load-format fastload`` is then unknown to vLLM); other missing
+    interfaces stop the load when the loader is created, before anything is read.
     """
     from vllm_fastload.vllm_plugin import compat
 
     compat.note_release()
     if compat.REGISTRATION & set(compat.missing_interfaces()):
-        compat.require()
+        try:
+            compat.require()
+        except compat.UnsupportedVllmError as exc:
+            compat.logger.warning("%s", exc)
+        return
     from vllm_fastload.vllm_plugin.loader import FastloadModelLoader
 
     if compat.register_loader(LOAD_FORMAT, FastloadModelLoader):
         _route_core_logs_to_vllm()
     compat.allow_object_storage(LOAD_FORMAT, _is_object_uri)
+    from vllm_fastload.vllm_plugin import early
+
+    compat.on_config(LOAD_FORMAT, early.start)
 
 
 def _is_object_uri(weights: object) -> bool:

@@ -227,3 +227,32 @@ def allow_object_storage(load_format: str, is_object_uri: Callable[[object], boo
     try_verify_and_update_config.__wrapped__ = original
     try_verify_and_update_config.__doc__ = original.__doc__
     VllmConfig.try_verify_and_update_config = try_verify_and_update_config
+
+
+# -- the early-start hook ----------------------------------------------------------------------
+def on_config(load_format: str, callback: Callable[[Any], None]) -> None:
+    """Call ``callback(vllm_config)`` where vLLM has verified a config that loads with
+    ``load_format`` (idempotent). ``VllmConfig.try_verify_and_update_config`` runs when the config
+    is built, in the API server's or ``LLM(...)``'s process, long before the workers load weights.
+    The callback must not raise; anything it does is best effort."""
+    try:
+        from vllm.config.vllm import VllmConfig
+
+        original = VllmConfig.try_verify_and_update_config
+    except (ImportError, AttributeError):
+        return  # no early start on this vLLM: weights are read at load time, as without it
+    if getattr(original, "_fastload_on_config", False):
+        return
+
+    def try_verify_and_update_config(self) -> None:
+        result = original(self)
+        chosen = str(getattr(getattr(self, "load_config", None), "load_format", "")).lower()
+        if chosen == load_format:
+            callback(self)
+        return result
+
+    try_verify_and_update_config._fastload_on_config = True
+    try_verify_and_update_config._fastload_wrapped = getattr(original, "_fastload_wrapped", False)
+    try_verify_and_update_config.__wrapped__ = original
+    try_verify_and_update_config.__doc__ = original.__doc__
+    VllmConfig.try_verify_and_update_config = try_verify_and_update_config
