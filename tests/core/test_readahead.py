@@ -57,7 +57,7 @@ def test_files_larger_than_the_limit_are_left_alone(cold_file: Path, caplog):
 
 def test_a_file_that_cannot_be_read_is_skipped(cold_file: Path, tmp_path: Path):
     """No exception (the loader reports a missing file at load time), and the next file is read."""
-    readahead._advise([str(tmp_path / "gone.safetensors"), str(cold_file)])
+    readahead._read_in([str(tmp_path / "gone.safetensors"), str(cold_file)])
     assert _cached_share(cold_file) == 1.0
 
 

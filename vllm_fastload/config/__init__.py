@@ -114,10 +114,11 @@ class FastloadConfig(BaseSettings):
                              "in the page cache of a local file, and with direct_io 'never' all of them, as "
                              "views of a private mapping of the file (as safetensors' safe_open does) "
                              "instead of copying them into read buffers.")
-    early_reads: bool = Field(True, description="vLLM loader: as soon as vLLM has built its config (in the "
-                              "process that builds it, long before the workers ask for weights), ask the kernel "
-                              "to read a local checkpoint into the page cache in the background, if it fits in "
-                              "half of the memory available then; load_weights then finds it there.")
+    early_reads: bool = Field(False, description="vLLM loader: as soon as vLLM has built its config (in the "
+                              "process that builds it, long before the workers ask for weights), read a local "
+                              "checkpoint into the page cache in the background, if it fits in half of the memory "
+                              "available then; load_weights then finds it there. Off by default: where the host "
+                              "reclaims idle page cache before the workers load, it costs more than it saves.")
     hugepages: bool = Field(True, description="Ask for transparent huge pages on host buffers "
                             "(fresh memory is ~6x faster to fill that way).")
     remote: RemoteConfig = Field(default_factory=RemoteConfig, description="Object store settings for "
