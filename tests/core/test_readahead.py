@@ -64,3 +64,54 @@ def test_a_file_that_cannot_be_read_is_skipped(cold_file: Path, tmp_path: Path):
 def test_available_memory_is_positive_and_below_the_machine():
     total = readahead._meminfo("MemTotal")
     assert 0 < readahead.available_memory() <= total
+
+
+def _drop(path: Path, offset: int, length: int) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_a_chunk_with_reclaimed_pages_is_told_from_a_cached_one(cold_file: Path):
+    from vllm_fastload.readers import host
+
+    readahead._read_in([str(cold_file)])
+    fd = os.open(cold_file, os.O_RDONLY)
+    try:
+        calls = [(0, SIZE, None)]
+        assert host.cached_calls(fd, calls) and not host._has_holes(fd, calls)
+        _drop(cold_file, SIZE // 4, SIZE // 8)  # a hole in the middle, ends still cached
+        assert host.cached_calls(fd, calls) and host._has_holes(fd, calls)
+    finally:
+        os.close(fd)
+
+
+def test_a_tensor_with_reclaimed_pages_is_read_exactly(tmp_path: Path, monkeypatch):
+    """A checkpoint read into the page cache early, then partly reclaimed: every byte still right,
+    read through the path for chunks with holes."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    import vllm_fastload
+    from vllm_fastload.readers import host
+
+    path = tmp_path / "model.safetensors"
+    save_file({"w": torch.randn(1536, 1024), "b": torch.randn(1024)}, str(path))
+    os.sync()
+    evict([str(path)])
+    readahead._read_in([str(path)])
+    size = path.stat().st_size
+    _drop(path, size // 8, size // 16)
+    holes = []
+    original = host._has_holes
+    monkeypatch.setattr(host, "_has_holes", lambda fd, calls: holes.append(original(fd, calls)) or holes[-1])
+    want = load_file(str(path))
+    _drop(path, size // 8, size // 16)  # safetensors' read filled it again
+    dests = {name: torch.empty_like(t) for name, t in want.items()}
+    with vllm_fastload.open(str(path), config={"progress": False}) as ckpt:
+        ckpt.read_into(dests)
+    assert any(holes)
+    for name, t in want.items():
+        assert torch.equal(dests[name], t), name

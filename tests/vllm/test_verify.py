@@ -60,6 +60,7 @@ def test_dense_moe_and_quantized_are_exact_on_every_rank(core_checkpoints, tp):
         line = next(line for line in proc.stdout.splitlines() if f"({path})" in line)
         assert f"exact on all {tp} ranks" in line and "after loading and after post-processing" in line, line
         assert "planned per rank" in line, line
+        assert "post-processed per layer" in line, line  # the default: checked before and after it
 
 
 def test_verify_passes_the_demo_checkpoint_and_a_zoo_family(checkpoints):

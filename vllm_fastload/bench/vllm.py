@@ -46,6 +46,10 @@ LOADERS: dict[str, tuple[str, dict | None]] = {
     # The path through the model's load_weights (whole tensors from iter_tensors), which fastload
     # takes where its probe cannot describe a model's loading.
     "fastload-whole": ("fastload", {"plan_per_rank": False}),
+    # vLLM's post-processing after the load, as with the default loader (per layer is the default).
+    "fastload-post-after": ("fastload", {"post_per_layer": False}),
+    # The checkpoint read into the page cache from the moment vLLM has its config (opt-in).
+    "fastload-early": ("fastload", {"early_reads": True}),
     "safetensors": ("safetensors", None),
     "safetensors-mt": ("safetensors", {"enable_multithread_load": True, "num_threads": 8}),
     "safetensors-prefetch": ("safetensors", None),
@@ -315,6 +319,9 @@ def summarize(results: dict[str, list[dict]], total: int) -> list[dict]:
             "peak_rss_mb": max(r["hwm_after_kb"] for run in ok for r in run["ranks"]) / 1024,
             "checkpoint_bytes": total,
         })
+        phases = [r["phases"] for run in ok for r in run["ranks"] if r.get("phases")]
+        if phases:  # fastload's split of load_weights, median over runs and ranks, per phase
+            rows[-1]["phases_median"] = {k: statistics.median(p.get(k, 0.0) for p in phases) for k in phases[0]}
         served = [b for run in ok for b in run.get("served_per_rank", [])]
         if served:
             rows[-1]["served_per_rank"] = max(served)

@@ -62,7 +62,9 @@ def _timed(cls, out_dir: Path):
                   "seconds": seconds, "rchar": io_after["rchar"] - io_before["rchar"],
                   "read_bytes": io_after["read_bytes"] - io_before["read_bytes"],
                   "rss_before_kb": rss_before, "hwm_after_kb": status_kb("VmHWM"),
-                  "cpus": len(os.sched_getaffinity(0))}
+                  "cpus": len(os.sched_getaffinity(0)),
+                  # fastload's own split of the time (probe, plan, read, post, ...), as in its log line
+                  "phases": (getattr(self, "report", None) or {}).get("phases")}
         (out_dir / f"rank{rank}-{os.getpid()}-{next(_loads)}.json").write_text(json.dumps(record))
         return result
 

@@ -46,7 +46,7 @@ def load_and_digest(path: str, tp: int, load_format: str, extra: dict, dtype: st
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader import get_model_loader
 
-    from vllm_fastload.vllm_plugin.digests import parameter_digests
+    from vllm_fastload.vllm_plugin.digests import digests_before_post_processing, parameter_digests
 
     config = engine_config(path, tp, load_format, extra, dtype)
     loaded: dict[str, str] = {}
@@ -56,10 +56,18 @@ def load_and_digest(path: str, tp: int, load_format: str, extra: dict, dtype: st
         load_weights = loader.load_weights
 
         def load_weights_and_digest(model, model_config) -> None:
-            # Right after the loader, before vLLM's post-processing (which may repack weights into
-            # kernel handles that are no longer parameters).
+            # As loaded, before vLLM's post-processing (which may repack weights into kernel
+            # handles that are no longer parameters): a module's own parameters right before its
+            # post-processing step (fastload runs it per layer during load_weights), the rest
+            # right after load_weights.
+            before: dict[str, str] = {}
+            digests_before_post_processing(model, before)
+            # Not the parameters post-processing adds:
+            names = {n for n, _ in [*model.named_parameters(), *model.named_buffers()]}
             load_weights(model, model_config)
-            loaded.update({f"loaded:{k}": v for k, v in parameter_digests(model).items()})
+            after = parameter_digests(model)
+            before.update({k: v for k, v in after.items() if k not in before and k in names})
+            loaded.update({f"loaded:{k}": v for k, v in before.items()})
 
         loader.load_weights = load_weights_and_digest
         model = loader.load_model(vllm_config=config, model_config=config.model_config)
@@ -170,6 +178,7 @@ class Verdict:
     read_share: list[float] = field(default_factory=list)
     planned: list[bool] = field(default_factory=list)
     fallback_reason: str | None = None
+    post_processed: list[int] = field(default_factory=list)  # modules post-processed per layer, per rank
 
     def line(self) -> str:
         head = f"{self.architecture} ({self.path}), {self.mode}"
@@ -178,6 +187,8 @@ class Verdict:
         ranks = len(self.differing)
         shares = "/".join(f"{s:.2f}" for s in self.read_share)
         how = ("planned per rank" if all(self.planned) else f"read whole through load_weights: {self.fallback_reason}")
+        if any(self.post_processed):
+            how += f", post-processed per layer ({'/'.join(map(str, self.post_processed))} modules)"
         if self.exact:
             return (f"{head}: exact on all {ranks} ranks ({self.names} parameters and buffers each, after loading "
                     f"and after post-processing); {how}; share of the checkpoint read per rank {shares}")
@@ -211,6 +222,7 @@ def compare(results: list[dict], path: str, reference: str = "default") -> list[
                 v.read_share.append(report["bytes_read"] / max(report["bytes_total"], 1))
                 v.planned.append(bool(report["planned"]))
                 v.fallback_reason = v.fallback_reason or report.get("fallback_reason")
+                v.post_processed.append(int(report.get("post_processed", 0)))
         v.exact = not any(v.differing)
         verdicts.append(v)
     return verdicts

@@ -256,3 +256,61 @@ def on_config(load_format: str, callback: Callable[[Any], None]) -> None:
     try_verify_and_update_config.__wrapped__ = original
     try_verify_and_update_config.__doc__ = original.__doc__
     VllmConfig.try_verify_and_update_config = try_verify_and_update_config
+
+
+# -- post-processing ---------------------------------------------------------------------------
+def quant_method(module: nn.Module) -> Any | None:
+    """The module's vLLM quantization method (what ``process_weights_after_loading`` runs), if any."""
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    method = getattr(module, "quant_method", None)
+    return method if isinstance(method, QuantizeMethodBase) else None
+
+
+def post_processing_per_module_unsafe(model: nn.Module) -> str | None:
+    """Why vLLM's post-processing of this model must run as one pass after loading, or None.
+
+    Online quantization finalises layer by layer before the pass (``uses_meta_device``), and
+    pre-processed weights (vLLM's weight-cache loader, 0.32) change what the pass does."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if getattr(method, "uses_meta_device", False) or type(method).__module__.startswith(
+                "vllm.model_executor.layers.quantization.online"):
+            return "online quantization"
+    try:
+        from vllm.model_executor.utils import is_weights_pre_processed
+    except ImportError:  # before 0.32: no pre-processed weights
+        return None
+    return "pre-processed weights" if is_weights_pre_processed() else None
+
+
+def post_process_module(module: nn.Module, target_device: Any) -> Any:
+    """Run vLLM's post-processing step for one module, as ``process_weights_after_loading`` does
+    for each module in its pass (parameters on the target device while it runs, their
+    tensor-parallel state reconciled after, device memory released under pressure). Returns the
+    module's quantization method after the step (a step may replace it)."""
+    import contextlib
+
+    from vllm.model_executor.model_loader.utils import device_loading_context
+
+    method = quant_method(module)
+    moves = getattr(method, "requires_device_loading", True)  # 0.32; always before
+    with device_loading_context(module, target_device) if moves else contextlib.nullcontext():
+        method.process_weights_after_loading(module)
+    if hasattr(module, "update_param_tp_status"):
+        module.update_param_tp_status()
+    try:
+        from vllm.utils.mem_utils import release_device_memory_under_pressure
+    except ImportError:
+        pass
+    else:
+        release_device_memory_under_pressure(target_device)
+    return quant_method(module)
+
+
+def target_device(load_config: Any) -> Any:
+    """The device vLLM post-processes on: ``--load-device`` if set, else the platform's."""
+    import torch
+    from vllm.platforms import current_platform
+
+    return torch.device(getattr(load_config, "device", None) or current_platform.device_type)

@@ -14,11 +14,46 @@ from torch import nn
 
 def parameter_digests(model: nn.Module) -> dict[str, str]:
     """``{parameter name: sha256 of its bytes, dtype and shape}`` for every parameter and buffer."""
+    return _digests([*model.named_parameters(), *model.named_buffers()])
+
+
+def _digests(named: list[tuple[str, torch.Tensor]]) -> dict[str, str]:
     out: dict[str, str] = {}
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+    for name, t in named:
         data = t.detach().contiguous().cpu()
         h = hashlib.sha256(f"{data.dtype}{tuple(data.shape)}".encode())
         if data.numel():
             h.update(data.reshape(-1).view(torch.uint8).numpy().tobytes())
         out[name] = h.hexdigest()
     return out
+
+
+def digests_before_post_processing(model: nn.Module, out: dict[str, str]) -> None:
+    """Record in ``out`` the digests of each module's own parameters and buffers right before its
+    first ``process_weights_after_loading`` step (which may repack them into kernel handles that are
+    no longer parameters), whenever that comes: after ``load_weights`` for vLLM's default loader,
+    during it for fastload's per-layer post-processing. Names already in ``out`` are kept."""
+    for prefix, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if method is None or not hasattr(method, "__dict__") or not hasattr(method, "process_weights_after_loading"):
+            continue
+        _digest_on_first_step(method, prefix, module, out)
+
+
+def _digest_on_first_step(method: object, prefix: str, module: nn.Module, out: dict[str, str]) -> None:
+    seen: dict[int, tuple[str, nn.Module]] | None = method.__dict__.get("_digest_modules")
+    if seen is None:
+        original = method.process_weights_after_loading
+        seen = {}
+
+        def process_weights_after_loading(layer: nn.Module) -> None:
+            entry = seen.pop(id(layer), None)
+            if entry is not None and entry[1] is layer:
+                own = [*layer.named_parameters(recurse=False), *layer.named_buffers(recurse=False)]
+                for name, digest in _digests(own).items():
+                    out.setdefault(f"{entry[0]}.{name}" if entry[0] else name, digest)
+            return original(layer)
+
+        method.process_weights_after_loading = process_weights_after_loading
+        method._digest_modules = seen
+    seen[id(module)] = (prefix, module)

