@@ -60,7 +60,19 @@ def test_dense_moe_and_quantized_are_exact_on_every_rank(core_checkpoints, tp):
         line = next(line for line in proc.stdout.splitlines() if f"({path})" in line)
         assert f"exact on all {tp} ranks" in line and "after loading and after post-processing" in line, line
         assert "planned per rank" in line, line
-        assert "post-processed per layer" in line, line  # the default: checked before and after it
+        assert "post-processed per layer" not in line, line  # opt-in: see the test below
+
+
+def test_post_processing_per_layer_is_exact_on_every_rank(core_checkpoints):
+    """The opt-in ``post_per_layer``: each module compared right before its post-processing (run
+    during the read) and after vLLM's pass, on both ranks."""
+    proc = _verify(*map(str, core_checkpoints.values()), "--tp", "2", "--fastload-config",
+                   '{"post_per_layer": true}')
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "verdict: 3 of 3 exact" in proc.stdout, proc.stdout
+    for path in core_checkpoints.values():
+        line = next(line for line in proc.stdout.splitlines() if f"({path})" in line)
+        assert "exact on all 2 ranks" in line and "post-processed per layer" in line, line
 
 
 def test_verify_passes_the_demo_checkpoint_and_a_zoo_family(checkpoints):

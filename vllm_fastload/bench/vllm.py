@@ -46,8 +46,8 @@ LOADERS: dict[str, tuple[str, dict | None]] = {
     # The path through the model's load_weights (whole tensors from iter_tensors), which fastload
     # takes where its probe cannot describe a model's loading.
     "fastload-whole": ("fastload", {"plan_per_rank": False}),
-    # vLLM's post-processing after the load, as with the default loader (per layer is the default).
-    "fastload-post-after": ("fastload", {"post_per_layer": False}),
+    # vLLM's post-processing per decoder layer during the read (opt-in).
+    "fastload-post-per-layer": ("fastload", {"post_per_layer": True}),
     # The checkpoint read into the page cache from the moment vLLM has its config (opt-in).
     "fastload-early": ("fastload", {"early_reads": True}),
     "safetensors": ("safetensors", None),

