@@ -110,6 +110,7 @@ def test_cached_rows_are_copied_out_of_a_mapping(wide, monkeypatch, cached: bool
         planned = ckpt.plan([TensorRequest(NAME, 1, 3, 50)]).tensors[0]
         assert planned.rows.gaps is (config is THROUGH_GAPS)
         monkeypatch.setattr(host, "_cached", lambda fd, offsets: cached)
+        monkeypatch.setattr(host, "_has_holes", lambda fd, calls: False)  # wholly cached
         monkeypatch.setattr(os, "preadv", counting)
         monkeypatch.setattr(mapped, "copy_rows", copying)
         dest = torch.empty(ROWS, 50, dtype=torch.bfloat16)
@@ -183,6 +184,7 @@ def test_rows_are_read_where_the_file_is_not_mapped(wide, monkeypatch, refusal: 
         return real(fd, buffers, offset, *flags)
 
     monkeypatch.setattr(host, "_cached", lambda fd, offsets: True)
+    monkeypatch.setattr(host, "_has_holes", lambda fd, calls: False)  # wholly cached
     monkeypatch.setattr(os, "preadv", counting)
     try:
         with open_ckpt(path, dict(ROW_BY_ROW, threads=2)) as ckpt:
@@ -202,6 +204,7 @@ def test_truncated_file_fails_inside_a_rows_read(tmp_path: Path, monkeypatch, co
     w = random_tensor((ROWS, 96), torch.bfloat16, 3)
     path = save(tmp_path / "m.safetensors", {NAME: w})
     monkeypatch.setattr(host, "_cached", lambda fd, offsets: cached)
+    monkeypatch.setattr(host, "_has_holes", lambda fd, calls: False)  # wholly cached
     answers = _spy_on_copies(monkeypatch)
     mapping, real_mmap = [], mmap.mmap
 

@@ -234,6 +234,8 @@ HOLE_SAMPLES = 64
 def _has_holes(fd: int, calls: Sequence[ReadCall | RowsCall]) -> bool:
     """Whether pages of a chunk that probed as cached are missing from the page cache (as a host
     that reclaims idle page cache leaves a checkpoint read into it earlier)."""
+    if not calls:
+        return False
     ranges = _ranges(calls)
     lo = min(offset for offset, _ in ranges)
     hi = max(offset + length for offset, length in ranges)
