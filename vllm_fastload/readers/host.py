@@ -216,14 +216,17 @@ def _ranges(calls: Sequence[ReadCall | RowsCall]) -> list[tuple[int, int]]:
     return [(c[0].offset, c[0].span) if isinstance(c[0], Rows) else (c[0], c[1]) for c in calls]
 
 
+def _span(ranges: Sequence[tuple[int, int]]) -> tuple[int, int]:
+    """The bytes ``[lo, hi)`` from the first range's start to the last one's end."""
+    return min(offset for offset, _ in ranges), max(offset + length for offset, length in ranges)
+
+
 def cached_calls(fd: int, calls: Sequence[ReadCall | RowsCall]) -> bool:
     """Whether the chunk is (as far as a cheap probe can tell) in the page cache: its first,
     middle and last byte can be read without waiting."""
     if not calls:
         return True
-    ranges = _ranges(calls)
-    lo = min(offset for offset, _ in ranges)
-    hi = max(offset + length for offset, length in ranges)
+    lo, hi = _span(_ranges(calls))
     return hi <= lo or _cached(fd, (lo, (lo + hi) // 2, hi - 1))
 
 
@@ -236,9 +239,7 @@ def _has_holes(fd: int, calls: Sequence[ReadCall | RowsCall]) -> bool:
     that reclaims idle page cache leaves a checkpoint read into it earlier)."""
     if not calls:
         return False
-    ranges = _ranges(calls)
-    lo = min(offset for offset, _ in ranges)
-    hi = max(offset + length for offset, length in ranges)
+    lo, hi = _span(_ranges(calls))
     if hi - lo <= HOLE_SAMPLES * pagecache.PAGE:
         return False
     share = pagecache.cached_share(fd, lo, hi, samples=HOLE_SAMPLES)
@@ -256,8 +257,7 @@ def advise(fd: int, calls: Sequence[ReadCall | RowsCall]) -> None:
     if not calls or not hasattr(os, "posix_fadvise"):
         return
     ranges = _ranges(calls)
-    lo = min(offset for offset, _ in ranges)
-    hi = max(offset + length for offset, length in ranges)
+    lo, hi = _span(ranges)
     needed = sum(length for _, length in ranges)
     spans = [(lo, hi - lo)] if hi - lo <= 2 * needed else ranges
     for offset, length in spans:

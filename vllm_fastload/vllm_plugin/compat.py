@@ -11,6 +11,7 @@ between them and what was checked in vLLM 0.33 by reading its source only.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import inspect
@@ -289,8 +290,6 @@ def post_process_module(module: nn.Module, target_device: Any) -> Any:
     for each module in its pass (parameters on the target device while it runs, their
     tensor-parallel state reconciled after, device memory released under pressure). Returns the
     module's quantization method after the step (a step may replace it)."""
-    import contextlib
-
     from vllm.model_executor.model_loader.utils import device_loading_context
 
     method = quant_method(module)

@@ -13,15 +13,12 @@ hook stay in vLLM's pass (they come after the layers, and tied embeddings are re
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any
 
 from torch import nn
 
 from vllm_fastload.vllm_plugin import compat
-
-logger = logging.getLogger("vllm.fastload")
 
 #: Set on a quantization method whose next ``process_weights_after_loading`` call must skip the
 #: modules listed (already post-processed here).
