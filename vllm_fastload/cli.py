@@ -120,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_bench_gpu)
 
     p = sub.add_parser("bench", help="vLLM load_weights with fastload vs vLLM's loaders, in subprocesses")
-    p.add_argument("--model", default=None, help="default: create the 1.67 GB bench-llama")
+    p.add_argument("--model", default=None, help="a checkpoint directory, or bench-llama (1.67 GB, the default) or "
+                   "bench-llama-6g (6.46 GB, Llama-3-8B shapes with 10 layers), made on first use")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repetitions (medians need >= 3)")
     p.add_argument("--tp", default="1,2", help="comma-separated TP sizes")
     p.add_argument("--loaders", default=None, help="comma-separated; default: all that run here")

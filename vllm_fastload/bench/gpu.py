@@ -49,11 +49,10 @@ from vllm_fastload.bench.core import status_kb
 from vllm_fastload.bench.machine import evict
 from vllm_fastload.config import FastloadConfig, usable_cpus
 from vllm_fastload.tensors import dtype_of, shape_of
-from vllm_fastload.tools.checkpoints import ModelSpec, write_random_checkpoint
+from vllm_fastload.tools.checkpoints import LLAMA3_8B, ModelSpec, write_random_checkpoint
 from vllm_fastload.tp_rules import rank_requests
 
 #: Llama-3-8B's shapes (GQA 32/8 heads, 128K vocabulary); ``--layers`` of its 32 layers.
-LLAMA3_8B = dict(hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256)
 #: The smoke checkpoint: 14 MB, dim-1 slices that skip 4 KiB per row (read row by row).
 SMOKE_SPEC = ModelSpec(hidden=256, intermediate=4096, layers=2, heads=4, kv_heads=2, vocab=1000)
 #: Anchor loaders: the other projects every fastload row is compared with.

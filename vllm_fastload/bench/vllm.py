@@ -33,7 +33,7 @@ from pathlib import Path
 
 import vllm_fastload
 from vllm_fastload.bench.machine import MachineState, evict, release_memory
-from vllm_fastload.tools.checkpoints import write_checkpoint
+from vllm_fastload.tools.checkpoints import write_checkpoint, write_random_checkpoint
 from vllm_fastload.tools.vllm_server import vllm_env
 from vllm_fastload.tp_rules import rank_requests
 
@@ -179,8 +179,17 @@ def main(args: argparse.Namespace) -> int:
         tps = [int(t) for t in args.tp.split(",")]
         with S3Bench(local, ranks=max(tps), work=Path(args.out) / "s3-copies") as s3:
             return run_bench(args, s3.uri, source, wanted_targets, s3=s3)
-    model = args.model or str(write_checkpoint(".fastload/bench-llama", "bench-llama", files=4))
-    return run_bench(args, model, source, wanted_targets)
+    return run_bench(args, bench_checkpoint(args.model), source, wanted_targets)
+
+
+def bench_checkpoint(model: str | None) -> str:
+    """``--model``: a directory, or a preset made under ``.fastload/`` on first use (random bytes
+    for the 6.46 GB one: normal draws would take minutes to write)."""
+    if model in (None, "bench-llama"):
+        return str(write_checkpoint(".fastload/bench-llama", "bench-llama", files=4))
+    if model == "bench-llama-6g":
+        return str(write_random_checkpoint(".fastload/bench-llama-6g", model, files=4))
+    return model
 
 
 def select_loaders(source: str, loaders: str | None) -> tuple[list[str], dict[str, str]]:

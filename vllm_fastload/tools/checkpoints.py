@@ -36,6 +36,9 @@ class ModelSpec:
         return self.hidden // self.heads
 
 
+#: Llama-3-8B's shapes (its layer count is the caller's).
+LLAMA3_8B = dict(hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256)
+
 #: Named presets used by the README command, the tests and the benchmarks.
 PRESETS: dict[str, ModelSpec] = {
     "tiny-llama": ModelSpec(),
@@ -46,6 +49,8 @@ PRESETS: dict[str, ModelSpec] = {
     "tiny-gqa1": ModelSpec(kv_heads=1),  # one kv head: replicated across ranks at TP=2
     # TinyLlama's shapes with 16 layers: 1.67 GB in bf16 (the benchmark checkpoint).
     "bench-llama": ModelSpec(hidden=2048, intermediate=5632, layers=16, heads=32, kv_heads=4, vocab=32000),
+    # Llama-3-8B's shapes with 10 layers: 6.46 GB, how the benchmark's ratios move with size.
+    "bench-llama-6g": ModelSpec(**LLAMA3_8B, layers=10),
     # 0.31 GB: the network-filesystem benchmark (sshfs over loopback reads ~0.1 GB/s).
     "netfs-llama": ModelSpec(hidden=1024, intermediate=2816, layers=8, heads=16, kv_heads=4, vocab=32000),
 }
