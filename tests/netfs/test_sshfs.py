@@ -115,3 +115,21 @@ def test_network_defaults_apply_only_to_unset_fields(mounted: Path, local_checkp
         assert not fstype.is_network(fstype.filesystem_type(local_checkpoint))
         for field in fstype.NETWORK_DEFAULTS:
             assert field not in ckpt.config.model_fields_set
+
+
+def test_early_reads_read_every_file_only_when_asked_for(mounted: Path, local_checkpoint: Path,
+                                                       monkeypatch) -> None:
+    """What the vLLM plugin reads while vLLM starts (``early.files_to_read``), decided on a real
+    sshfs mount and on the local disk it serves: opt-in on both."""
+    from vllm_fastload.vllm_plugin.early import files_to_read
+
+    served = sorted(p.name for p in local_checkpoint.glob("*.safetensors"))
+    assert len(served) == 2
+    for where in (mounted, local_checkpoint):
+        assert files_to_read(str(where), {}) == []
+        assert [Path(f).name for f in files_to_read(str(where), {"early_reads": True})] == served
+    monkeypatch.setenv("FASTLOAD_EARLY_READS", "true")
+    assert [Path(f).name for f in files_to_read(str(mounted), {})] == served
+    assert files_to_read(str(mounted), {"early_reads": False}) == []  # the extra config wins
+    assert files_to_read(str(mounted / "no-such-dir"), {}) == []
+    assert files_to_read("s3://bucket/model", {}) == []

@@ -3,12 +3,12 @@
 A vLLM start spends tens of seconds (imports, processes, distributed set-up, the model's
 construction) before any worker calls ``load_weights``; meanwhile the disk sits idle. The process
 that builds vLLM's config knows the checkpoint long before that, but not the model, so not the
-per-rank plan: it asks the kernel to read every file of a local checkpoint into the page cache
-(the node's ranks share it), in the background, where the checkpoint fits in half of the memory
-available. ``load_weights`` then finds the pages cached and copies them out; pages the kernel
-has not read yet are read as usual. Nothing stays in vLLM's processes (each chunk is mapped,
-populated and unmapped), the reading thread ends with its process, and a failure here is logged,
-never raised.
+per-rank plan: it asks the kernel to read every file of a local checkpoint into the page cache (the
+node's ranks share it), in the background, where the checkpoint fits in half of the memory
+available, when ``early_reads`` is on (it is off by default).
+``load_weights`` then finds the pages cached and copies them out; pages the kernel has not read yet
+are read as usual. Nothing stays in vLLM's processes (each chunk is mapped, populated and unmapped),
+the reading thread ends with its process, and a failure here is logged, never raised.
 """
 
 from __future__ import annotations
@@ -35,22 +35,34 @@ def start(vllm_config: Any) -> None:
 
 
 def _start(vllm_config: Any) -> None:
-    from vllm_fastload.checkpoint import Checkpoint
-    from vllm_fastload.config import FastloadConfig
-    from vllm_fastload.sources import is_remote
     from vllm_fastload.sources.readahead import available_memory, read_ahead
 
     model_config = vllm_config.model_config
     path = getattr(model_config, "model_weights", "") or model_config.model
-    if is_remote(path) or not os.path.isdir(path) or os.environ.get(STARTED_ENV) == path:
-        return  # object stores and Hugging Face ids: nowhere on this node to read into yet
+    if os.environ.get(STARTED_ENV) == path:
+        return
     extra = getattr(vllm_config.load_config, "model_loader_extra_config", None) or {}
-    if not FastloadConfig.from_env(**extra).early_reads:
+    files = files_to_read(path, extra)
+    if not files:
         return
     os.environ[STARTED_ENV] = path
-    ckpt = Checkpoint.discover(path)
-    files = sorted(ckpt.files)
-    ckpt.close()
     if read_ahead(files, limit=int(available_memory() * MEMORY_SHARE)) is not None:
         logger.info("fastload: early reads: %d checkpoint files (%.2f GB) into the page cache while vLLM starts",
                     len(files), sum(os.path.getsize(f) for f in files) / 1e9)
+
+
+def files_to_read(path: str, extra: dict[str, Any]) -> list[str]:
+    """The checkpoint files to read early for a model at ``path`` loaded with fastload's ``extra``
+    config (the environment's ``FASTLOAD_*`` under it); none where early reads are off."""
+    from vllm_fastload.checkpoint import Checkpoint
+    from vllm_fastload.config import FastloadConfig
+    from vllm_fastload.sources import is_remote
+
+    if is_remote(path) or not os.path.isdir(path):
+        return []  # object stores and Hugging Face ids: nowhere on this node to read into yet
+    if not FastloadConfig.from_env(**extra).early_reads:
+        return []
+    ckpt = Checkpoint.discover(path)
+    files = sorted(ckpt.files)
+    ckpt.close()
+    return files
