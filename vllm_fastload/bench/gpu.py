@@ -52,7 +52,6 @@ from vllm_fastload.tensors import dtype_of, shape_of
 from vllm_fastload.tools.checkpoints import LLAMA3_8B, ModelSpec, write_random_checkpoint
 from vllm_fastload.tp_rules import rank_requests
 
-#: Llama-3-8B's shapes (GQA 32/8 heads, 128K vocabulary); ``--layers`` of its 32 layers.
 #: The smoke checkpoint: 14 MB, dim-1 slices that skip 4 KiB per row (read row by row).
 SMOKE_SPEC = ModelSpec(hidden=256, intermediate=4096, layers=2, heads=4, kv_heads=2, vocab=1000)
 #: Anchor loaders: the other projects every fastload row is compared with.

@@ -5,10 +5,10 @@ construction) before any worker calls ``load_weights``; meanwhile the disk sits 
 that builds vLLM's config knows the checkpoint long before that, but not the model, so not the
 per-rank plan: it asks the kernel to read every file of a local checkpoint into the page cache (the
 node's ranks share it), in the background, where the checkpoint fits in half of the memory
-available, when ``early_reads`` is on (it is off by default).
-``load_weights`` then finds the pages cached and copies them out; pages the kernel has not read yet
-are read as usual. Nothing stays in vLLM's processes (each chunk is mapped, populated and unmapped),
-the reading thread ends with its process, and a failure here is logged, never raised.
+available, when ``early_reads`` is on (it is off by default). ``load_weights`` then finds the pages
+cached and copies them out; pages the kernel has not read yet are read as usual. Nothing stays in
+vLLM's processes (each chunk is mapped, populated and unmapped), the reading thread ends with its
+process, and a failure here is logged, never raised.
 """
 
 from __future__ import annotations
