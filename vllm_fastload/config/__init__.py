@@ -122,9 +122,9 @@ class FastloadConfig(BaseSettings):
     early_reads: bool = Field(False, description="vLLM loader: as soon as vLLM has built its config (in the "
                               "process that builds it, long before the workers ask for weights), read a local "
                               "checkpoint into the page cache in the background, if it fits in half of the memory "
-                              "available then; load_weights then finds it there. Off by default: it turns a cold "
-                              "start into a warm one, which is not faster where the disk outruns the worker's "
-                              "first touch of its parameters (docs/design.md).")
+                              "available then; load_weights then finds it there. Off by default: where measured, a "
+                              "start was not ready sooner with it (on a local disk the copy out of the page "
+                              "cache was slower than a cold O_DIRECT read; see docs/design.md).")
     hugepages: bool = Field(True, description="Ask for transparent huge pages on host buffers "
                             "(fresh memory is ~6x faster to fill that way).")
     remote: RemoteConfig = Field(default_factory=RemoteConfig, description="Object store settings for "

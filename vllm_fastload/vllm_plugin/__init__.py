@@ -8,6 +8,8 @@ and the loader, once chosen, stops start-up over anything else missing (``compat
 
 from __future__ import annotations
 
+import logging
+
 LOAD_FORMAT = "fastload"
 
 
@@ -44,12 +46,26 @@ def _is_object_uri(weights: object) -> bool:
 
 
 def _route_core_logs_to_vllm() -> None:
-    """The core logs to "vllm_fastload" (it knows nothing of vLLM); show those lines like vLLM's."""
-    import logging
+    """The core logs to "vllm_fastload" (it knows nothing of vLLM); show those lines like vLLM's.
 
-    core, host = logging.getLogger("vllm_fastload"), logging.getLogger("vllm")
-    if not core.handlers and host.handlers:
-        for handler in host.handlers:
-            core.addHandler(handler)
-        core.setLevel(host.level or logging.INFO)
-        core.propagate = False
+    Routed when each line is logged, not now: vLLM may configure its logging after loading plugins
+    (0.32 does it lazily), and lines logged before that, or with vLLM's logging off, go where any
+    library's would."""
+    core = logging.getLogger("vllm_fastload")
+    if not any(isinstance(f, _ToVllm) for f in core.filters):
+        core.addFilter(_ToVllm())
+        if core.level == logging.NOTSET:
+            from vllm import envs
+
+            core.setLevel(getattr(logging, str(envs.VLLM_LOGGING_LEVEL).upper(), logging.INFO))
+
+
+class _ToVllm:
+    """A filter on the core's logger that hands each record to "vllm.fastload" once vLLM's
+    logging has handlers, and drops it there (vLLM's loggers do not propagate to the root)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not logging.getLogger("vllm").handlers:
+            return True
+        logging.getLogger("vllm.fastload").handle(record)
+        return False
