@@ -32,7 +32,7 @@ def test_defaults():
     assert c.strided_min_skip is None
     assert c.on_layer_ready == []
     assert c.progress is True and c.log_layers is False
-    assert c.check_file_changes is True and c.hugepages is True
+    assert c.check_file_changes is True and c.hugepages is False
     assert FastloadConfig.build(None) == c == FastloadConfig.build({})
 
 

@@ -80,6 +80,15 @@ def main(args: argparse.Namespace) -> int:
                 dests[name].copy_(t)
             return ck.last_stats.bytes_read
 
+    huge = config.model_copy(update={"hugepages": not config.hugepages})
+
+    def fastload_iter_other_pages() -> int:
+        """The same with the other ``hugepages`` setting: its buffers are the only memory that setting touches."""
+        with vllm_fastload.open(model, config=huge) as ck:
+            for name, t in ck.iter_tensors():
+                dests[name].copy_(t)
+            return ck.last_stats.bytes_read
+
     def fastload_into() -> int:
         with vllm_fastload.open(model, config=config) as ck:
             return ck.read_into(dests).bytes_read
@@ -89,6 +98,7 @@ def main(args: argparse.Namespace) -> int:
             return ck.read_into({r: tp_dests[r.result_key] for r in tp_requests}).bytes_read
 
     modes = {"safetensors get_tensor+copy": safetensors_copy, "fastload iter_tensors+copy": fastload_iter,
+             f"fastload iter_tensors+copy THP {'on' if huge.hugepages else 'off'}": fastload_iter_other_pages,
              "fastload read_into": fastload_into, "fastload TP=2 rank 1 read_into": fastload_tp2_rank1}
     results: dict[str, dict[str, list]] = {}
     state = MachineState()

@@ -125,8 +125,10 @@ class FastloadConfig(BaseSettings):
                               "available then; load_weights then finds it there. Off by default: where measured, a "
                               "start was not ready sooner with it (on a local disk the copy out of the page "
                               "cache was slower than a cold O_DIRECT read; see docs/design.md).")
-    hugepages: bool = Field(True, description="Ask for transparent huge pages on host buffers "
-                            "(fresh memory is ~6x faster to fill that way).")
+    hugepages: bool = Field(False, description="Ask for transparent huge pages on fastload's own host "
+                            "buffers (never on an engine's parameters). Off by default: on VMs whose balloon "
+                            "hands free memory back to the host in 2 MiB blocks, every huge page is memory the "
+                            "host must back anew, and first touching it was ~8x slower than 4 KiB pages.")
     remote: RemoteConfig = Field(default_factory=RemoteConfig, description="Object store settings for "
                                  "s3://, gs://, az:// and http(s):// checkpoints (see config.remote).")
 

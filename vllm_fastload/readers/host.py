@@ -7,8 +7,8 @@ Each chunk goes one of two ways, decided by a cheap probe of the page cache:
   destination (see ``direct``), on every thread (they wait on the disk). Where O_DIRECT does
   not work, buffered reads with ``POSIX_FADV_WILLNEED`` advice instead.
 
-Buffers are anonymous mappings with transparent huge pages requested. The executor reuses
-buffers, so most reads land in memory that is already touched; memory that is not (a vLLM
+Buffers are anonymous mappings (transparent huge pages only with ``hugepages``). The executor
+reuses buffers, so most reads land in memory that is already touched; memory that is not (a vLLM
 parameter read into directly) is faulted in first by ``memory.populate``.
 """
 
