@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--strided-min-skip", type=int, default=None,
-                   help="bytes skipped per row above which dim>0 slices are read row by row")
+                   help="bytes skipped per row from which on dim>0 slices are read row by row")
     p.set_defaults(func=_plan)
 
     p = sub.add_parser("demo", help="make a small checkpoint (unless given), load it, serve it with vLLM")
@@ -124,8 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "bench-llama-6g (6.46 GB, Llama-3-8B shapes with 10 layers), made on first use")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repetitions (medians need >= 3)")
     p.add_argument("--tp", default="1,2", help="comma-separated TP sizes")
-    p.add_argument("--loaders", default=None, help="comma-separated; default: all that run here")
-    p.add_argument("--cache", default=None, help="warm, cold or both (default: both; cold for --source sshfs)")
+    p.add_argument("--loaders", default=None, help="comma-separated; default: the source's usual set, "
+                   "of those that run here")
+    p.add_argument("--cache", default=None, help="warm, cold, or warm,cold (the default; cold for --source sshfs)")
     p.add_argument("--source", default="local", choices=["local", "sshfs", "s3"],
                    help="where the checkpoint is read from: a local directory; an sshfs mount of it served by a "
                         "private sshd on loopback; or s3rver on loopback (npm, installed into .fastload/s3rver) "

@@ -219,6 +219,8 @@ def run_bench(args: argparse.Namespace, model: str, source: str, wanted_targets:
     names, skipped = select_loaders(source, args.loaders)
     tps = [int(t) for t in args.tp.split(",")]
     caches = (args.cache or SOURCE_CACHE[source]).split(",")
+    if not caches or set(caches) - {"warm", "cold"}:
+        raise SystemExit(f"--cache {args.cache!r}: expected warm, cold or warm,cold")
     from vllm_fastload.sources.fstype import filesystem_type
 
     fstype = filesystem_type(files[0]) if files else "s3rver" if s3 is not None else ""

@@ -90,7 +90,9 @@ class FastloadConfig(BaseSettings):
                                     "(host, pinned or device staging) held at once.")
     strided_min_skip: ByteSize | None = Field(None, description="A slice along dim>0 is read row by "
                                               "row when at least this many bytes per row are skipped; "
-                                              "otherwise the enclosing rows are read. None: the backend's default.")
+                                              "otherwise the enclosing rows are read. None: the default for the source "
+                                              "and backend (host: 0; cuda, kvikio: 4 KiB; objects: "
+                                              "remote.coalesce_gap; network filesystems: never row by row).")
     on_layer_ready: list[str | LayerCallback] = Field(
         default_factory=list, description="Callables or 'module:function' strings called with each LayerEvent.")
     progress: bool = Field(True, description="Show a tqdm progress bar (rank 0 only in multi-rank use).")
@@ -110,10 +112,10 @@ class FastloadConfig(BaseSettings):
         "the tensor-parallel group, so that each byte is fetched once per group in large reads. "
         "'auto': for object stores (one request per row otherwise); 'always': for every source; "
         "'never': each rank reads its own columns.")
-    map_cached: bool = Field(True, description="host backend: iter_tensors hands out tensors that are (mostly) "
-                             "in the page cache of a local file, and with direct_io 'never' all of them, as "
-                             "views of a private mapping of the file (as safetensors' safe_open does) "
-                             "instead of copying them into read buffers.")
+    map_cached: bool = Field(True, description="host backend, local files, direct_io not 'always': "
+                             "iter_tensors hands out tensors that are (mostly) in the page cache, and with "
+                             "direct_io 'never' all of them, as views of a private mapping of the file (as "
+                             "safetensors' safe_open does) instead of copying them into read buffers.")
     post_per_layer: bool = Field(False, description="vLLM loader: run vLLM's post-processing "
                                  "(process_weights_after_loading) for each decoder layer's modules as soon as the "
                                  "read has written them, while later layers are read; vLLM's pass after the load "
@@ -125,10 +127,11 @@ class FastloadConfig(BaseSettings):
                               "available then; load_weights then finds it there. Off by default: where measured, a "
                               "start was not ready sooner with it (on a local disk the copy out of the page "
                               "cache was slower than a cold O_DIRECT read; see docs/design.md).")
-    hugepages: bool = Field(False, description="Ask for transparent huge pages on fastload's own host "
-                            "buffers (never on an engine's parameters). Off by default: on VMs whose balloon "
-                            "hands free memory back to the host in 2 MiB blocks, every huge page is memory the "
-                            "host must back anew, and first touching it was ~8x slower than 4 KiB pages.")
+    hugepages: bool = Field(False, description="Ask for transparent huge pages on the host backend's "
+                            "pooled read buffers (never on an engine's parameters). Off by default: on VMs "
+                            "whose balloon hands free memory back to the host in 2 MiB blocks, every huge page "
+                            "is memory the host must back anew, and first touching it was ~8x slower than "
+                            "4 KiB pages.")
     remote: RemoteConfig = Field(default_factory=RemoteConfig, description="Object store settings for "
                                  "s3://, gs://, az:// and http(s):// checkpoints (see config.remote).")
 

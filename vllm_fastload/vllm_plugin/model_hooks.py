@@ -3,9 +3,9 @@
 - ``allow_patterns_overrides``: the checkpoint is the files of the first pattern that matches
   any (``DefaultModelLoader._prepare_weights``), filtered by the index where the running vLLM
   does that too (before 0.32).
-- ``is_unused_checkpoint_weight``: shards in which it accepts every tensor are not opened, where
-  the running vLLM's default loader drops them too (0.32 and later); the plan never reads a
-  tensor the model does not take in any case.
+- ``is_unused_checkpoint_weight``: shards in which it accepts every tensor are left out of the
+  load (their headers are read to tell), where the running vLLM's default loader drops them too
+  (0.32 and later); the plan never reads a tensor the model does not take in any case.
 - ``secondary_weights``: further checkpoint sources (other repositories, ``.pt`` files), which
   the loader hands, with the model, to vLLM's default loader.
 """
