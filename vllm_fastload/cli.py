@@ -120,8 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_bench_gpu)
 
     p = sub.add_parser("bench", help="vLLM load_weights with fastload vs vLLM's loaders, in subprocesses")
-    p.add_argument("--model", default=None, help="a checkpoint directory, or bench-llama (1.67 GB, the default) or "
-                   "bench-llama-6g (6.46 GB, Llama-3-8B shapes with 10 layers), made on first use")
+    p.add_argument("--model", default=None, help="a checkpoint directory, or bench-llama (1.67 GB, the default), "
+                   "bench-llama-6g (6.46 GB, Llama-3-8B shapes with 10 layers) or bench-llama-SCHEME (the 1.67 GB "
+                   "one quantized; SCHEME: int8, fp8, int4, gptq, awq), made on first use")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repetitions (medians need >= 3)")
     p.add_argument("--tp", default="1,2", help="comma-separated TP sizes")
     p.add_argument("--loaders", default=None, help="comma-separated; default: the source's usual set, "
@@ -135,12 +136,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--targets", default=None,
                    help="exit 1 if a named target is missed: 'all' or e.g. 'cold-tp1,disk-tp2=0.55' "
                         "(cold-tp1, cold-tp2, warm-floor, warm-default, disk-tp2, netfs-default, netfs-prefetch, "
-                        "s3-bytes-tp2, s3-runai-tp2, s3-runai-tp1, s3-limit-tp1)")
+                        "s3-bytes-tp2, s3-runai-tp2, s3-runai-tp1, s3-limit-tp1, model-cold-warm, model-cold-tp1, "
+                        "model-cold-tp2, model-warm, ready-cold, weights-warm-tp2)")
     p.add_argument("--release-memory", type=float, default=0, metavar="GIB",
                    help="first touch and free this much memory and wait a minute, so that fresh memory is slow "
                         "to touch as on a freshly started VM (free page reporting)")
     p.add_argument("--out", default="bench-results")
     p.add_argument("--time-limit", type=float, default=3600, help="stop starting new runs after this many seconds")
+    p.add_argument("--report", default=None, metavar="JSON",
+                   help="run nothing: print the tables of a saved run (its bench-vllm*.json) and judge it on --targets")
     p.set_defaults(func=_bench)
     return parser
 

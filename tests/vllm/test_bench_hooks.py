@@ -138,6 +138,64 @@ def test_targets_pass_and_fail_on_the_medians_and_spread():
     assert "whole pages: 0.580" in bounded[("disk-tp2", "tp2")]["detail"]
 
 
+def _wait(row: dict, load_model: float, ready: float) -> dict:
+    return dict(row, load_model_median=load_model, load_model_min=load_model, load_model_max=load_model,
+                post_median=0.1, ready_median=ready, ready_min=ready, ready_max=ready)
+
+
+def test_start_up_targets_judge_load_model_and_ready(tmp_path: Path, capsys):
+    rows = [
+        _wait(_row("tp1", "cold", "fastload", 1.5, 1.4, 1.7), 3.0, 30.0),
+        _wait(_row("tp1", "cold", "safetensors", 5.0, 4.9, 5.2), 7.0, 34.0),
+        _wait(_row("tp1", "warm", "fastload", 0.8, 0.8, 0.9), 3.6, 30.0),
+        _wait(_row("tp1", "warm", "safetensors", 0.8, 0.8, 0.8), 3.5, 30.0),
+        _wait(_row("tp2", "cold", "fastload", 1.6, 1.4, 1.7), 3.1, 31.0),
+        _wait(_row("tp2", "cold", "safetensors", 2.3, 2.0, 2.9), 4.0, 30.5),
+        _wait(_row("tp2", "warm", "fastload", 0.45, 0.4, 0.5), 2.9, 30.0),
+        _wait(_row("tp2", "warm", "safetensors", 0.5, 0.45, 0.5), 3.0, 30.0),
+    ]
+    wanted = bench.parse_targets("all")
+    assert {"model-cold-warm", "model-cold-tp1", "model-cold-tp2", "model-warm", "ready-cold",
+            "weights-warm-tp2"} <= set(wanted)
+    got = {(v["target"], v["tp"]): v for v in bench.check_targets(rows, wanted)}
+    value = {key: v["value"] for key, v in got.items()}
+    # Cold load_model against the same loader's warm one: 3.0/3.6 and 3.1/2.9.
+    assert got[("model-cold-warm", "tp1")]["ok"] and value[("model-cold-warm", "tp1")] == pytest.approx(3 / 3.6)
+    assert got[("model-cold-warm", "tp2")]["ok"] and value[("model-cold-warm", "tp2")] == pytest.approx(3.1 / 2.9)
+    assert value[("model-cold-tp1", "tp1")] == pytest.approx(3 / 7) and ("model-cold-tp1", "tp2") not in got
+    assert not got[("model-cold-tp2", "tp2")]["ok"] and value[("model-cold-tp2", "tp2")] == pytest.approx(3.1 / 4)
+    assert not got[("model-warm", "tp1")]["ok"] and got[("model-warm", "tp2")]["ok"]
+    assert got[("ready-cold", "tp1")]["ok"] and not got[("ready-cold", "tp2")]["ok"]
+    assert value[("weights-warm-tp2", "tp2")] == pytest.approx(0.9)
+    detail = got[("weights-warm-tp2", "tp2")]["detail"]
+    assert detail == "load_weights 0.45 s (warm fastload) / 0.50 s (warm safetensors)"
+    # A row without load_model (an older run) is not measured, so missed.
+    bare = [{k: v for k, v in r.items() if not k.startswith("load_model")} for r in rows]
+    assert bench.check_targets(bare, {"model-warm": 1.0})[0]["detail"] == "rows not measured"
+
+    # --report judges a saved run again, without running anything.
+    saved = tmp_path / "bench-vllm.json"
+    saved.write_text(json.dumps({"source": "local", "checkpoint_bytes": 10**9, "rows": rows,
+                                 "machine": {"disk_read_gbps": [1.2, 1.3, 1.25]}}))
+    args = bench_args(report=str(saved), targets="model-cold-tp1,ready-cold")
+    assert bench.main(args) == 1  # ready-cold at TP=2 is missed
+    out = capsys.readouterr().out
+    assert "[ok] model-cold-tp1 tp1: 0.429" in out and "[MISSED] ready-cold tp2: 1.016" in out
+    assert "load_model s" in out  # the tables again
+    assert bench.main(bench_args(report=str(saved), targets="model-cold-tp1")) == 0
+    saved.write_text("{}")
+    with pytest.raises(SystemExit, match="not a JSON file written by vllm-fastload bench"):
+        bench.main(bench_args(report=str(saved), targets="all"))
+
+
+def bench_args(**given):
+    from vllm_fastload.cli import build_parser
+
+    args = build_parser().parse_args(["bench"])
+    vars(args).update(given)
+    return args
+
+
 def test_page_rounded_share_counts_whole_pages_of_each_ranks_slices(tmp_path: Path):
     from vllm_fastload.tools.checkpoints import write_checkpoint
 

@@ -32,71 +32,14 @@ QUANTIZED: dict[str, tuple[str, str]] = {
     "llama-gptq-int4": ("LlamaForCausalLM", "gptq"),
     "qwen2-awq-int4": ("Qwen2ForCausalLM", "awq"),
 }
-#: Group size of the int4 scheme (scales per 32 input channels).
-GROUP = 32
-_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def build_quantized(name: str, root: Path) -> Path:
-    """A quantized checkpoint of a zoo family, several shards: compressed-tensors W8A8 (int8 or fp8
-    weights, one scale per output channel, dynamic per-token activations) or W4A16, or the GPTQ
-    or AWQ int4 layout (AutoGPTQ's / AutoAWQ's tensors; GPTQ without ``g_idx``, which vLLM 0.32 has
-    no parameter for)."""
-    import torch
-    from safetensors.torch import load_file, save_file
+    """A quantized checkpoint of a zoo family, several shards (``vllm_fastload.tools.quantize``)."""
+    from vllm_fastload.tools.quantize import quantize_checkpoint
 
     base_name, scheme = QUANTIZED[name]
-    base = registry.build(base_name, root, "small")
-    out = root / name
-    if (out / "config.json").exists():
-        return out
-    tmp = root / f".{name}.tmp"
-    tmp.mkdir(parents=True, exist_ok=True)
-    config = json.loads((base / "config.json").read_text())
-    if scheme in ("gptq", "awq"):
-        config["quantization_config"] = _int4_layout_config(scheme)
-    elif scheme == "int4":  # weights only, packed eight to an int32, one scale per GROUP inputs
-        group = {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": True,
-                                                    "strategy": "group", "group_size": GROUP, "dynamic": False}}
-        fmt = "pack-quantized"
-    else:
-        kind = {"int8": "int", "fp8": "float"}[scheme]
-        group = {"targets": ["Linear"],
-                 "weights": {"num_bits": 8, "type": kind, "symmetric": True, "strategy": "channel", "dynamic": False},
-                 "input_activations": {"num_bits": 8, "type": kind, "symmetric": True, "strategy": "token",
-                                       "dynamic": True}}
-        fmt = f"{kind}-quantized"
-    if scheme not in ("gptq", "awq"):
-        config["quantization_config"] = {"quant_method": "compressed-tensors", "format": fmt, "ignore": ["lm_head"],
-                                         "config_groups": {"group_0": group}}
-    (tmp / "config.json").write_text(json.dumps(config, indent=1))
-    index = {"metadata": {}, "weight_map": {}}
-    for shard in sorted(base.glob("*.safetensors")):
-        tensors = {}
-        for key, t in load_file(shard).items():
-            if key.endswith(".weight") and key.split(".")[-2] in _LINEARS:
-                w = t.float()
-                if scheme in ("gptq", "awq"):
-                    tensors.update(_int4_layout(scheme, key.removesuffix(".weight"), w))
-                    continue
-                if scheme == "int4":
-                    tensors.update(_pack_int4(key.removesuffix(".weight"), w))
-                    continue
-                if scheme == "int8":
-                    scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-6) / 127
-                    q = (w / scale).round().clamp(-128, 127).to(torch.int8)
-                else:
-                    scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-6) / 448
-                    q = (w / scale).to(torch.float8_e4m3fn)
-                tensors[key] = q
-                tensors[key.removesuffix("weight") + "weight_scale"] = scale.to(torch.bfloat16)
-            else:
-                tensors[key] = t
-        save_file(tensors, tmp / shard.name, metadata={"format": "pt"})
-        index["weight_map"].update(dict.fromkeys(tensors, shard.name))
-    (tmp / "model.safetensors.index.json").write_text(json.dumps(index))
-    tmp.rename(out)
-    return out
+    return quantize_checkpoint(registry.build(base_name, root, "small"), root / name, scheme)
 
 
 #: Quantized checkpoints whose tensors do not match their quantization config -> (the zoo
@@ -133,58 +76,6 @@ def build_mismatched(name: str, root: Path) -> Path:
         (tmp / "config.json").write_text(json.dumps(config, indent=1))
     tmp.rename(out)
     return out
-
-
-def _pack_int4(prefix: str, w) -> dict:
-    """compressed-tensors pack-quantized: signed int4 values + 8, eight per int32 along the input
-    dim (lowest nibble first), ``weight_scale`` (out, in / GROUP), ``weight_shape`` [out, in]."""
-    import torch
-
-    out_f, in_f = w.shape
-    groups = w.reshape(out_f, in_f // GROUP, GROUP)
-    scale = (groups.abs().amax(dim=2, keepdim=True).clamp(min=1e-6) / 7).to(torch.bfloat16)
-    q = (groups / scale.float()).round().clamp(-8, 7).to(torch.int64).reshape(out_f, in_f) + 8
-    nibbles = q.reshape(out_f, in_f // 8, 8) << (4 * torch.arange(8))
-    packed = nibbles.sum(dim=2)
-    packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
-    return {f"{prefix}.weight_packed": packed, f"{prefix}.weight_scale": scale.squeeze(2).contiguous(),
-            f"{prefix}.weight_shape": torch.tensor([out_f, in_f], dtype=torch.int64)}
-
-
-def _int4_layout_config(scheme: str) -> dict:
-    if scheme == "gptq":  # static activation order (desc_act false): vLLM 0.32 refuses the other
-        return {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False, "sym": True,
-                "lm_head": False}
-    return {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"}
-
-
-def _int4_layout(scheme: str, prefix: str, w) -> dict:
-    """GPTQ or AWQ int4 tensors of ``w`` (out, in), group-wise along the input dim.
-
-    Both store the weight transposed, (in, out). GPTQ packs eight 4-bit values per int32 down the
-    input dim (``qweight`` (in / 8, out)) and its zero points across the output dim; AWQ packs both
-    across the output dim (``qweight`` (in, out / 8)). ``scales`` are fp16 (in / GROUP, out), cast by
-    the loader to the model's bf16. The exact nibble order does not matter here: the test compares
-    loaded bytes, and what vLLM computes with them only has to run.
-    """
-    import torch
-
-    out_f, in_f = w.shape
-    groups = w.t().reshape(in_f // GROUP, GROUP, out_f)
-    scale = groups.abs().amax(dim=1, keepdim=True).clamp(min=1e-6) / 7
-    q = ((groups / scale).round().clamp(-8, 7) + 8).to(torch.int64).reshape(in_f, out_f)  # 0..15
-
-    def pack(values, dim: int):
-        moved = values.movedim(dim, -1)
-        nibbles = moved.reshape(*moved.shape[:-1], moved.shape[-1] // 8, 8) << (4 * torch.arange(8))
-        packed = nibbles.sum(dim=-1)
-        packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
-        return packed.movedim(-1, dim).contiguous()
-
-    # Zero points vary (a constant would load the same whatever block a rank took).
-    zeros = torch.randint(0, 16, (in_f // GROUP, out_f), generator=torch.Generator().manual_seed(out_f + in_f))
-    return {f"{prefix}.qweight": pack(q, 0 if scheme == "gptq" else 1), f"{prefix}.qzeros": pack(zeros, 1),
-            f"{prefix}.scales": scale.squeeze(1).to(torch.float16).contiguous()}
 
 
 #: How each rank loads every checkpoint: vLLM's default loader (the reference) and fastload as users get it.

@@ -34,6 +34,7 @@ from pathlib import Path
 import vllm_fastload
 from vllm_fastload.bench.machine import MachineState, evict, release_memory
 from vllm_fastload.tools.checkpoints import write_checkpoint, write_random_checkpoint
+from vllm_fastload.tools.quantize import SCHEMES, quantize_checkpoint
 from vllm_fastload.tools.vllm_server import vllm_env
 from vllm_fastload.tp_rules import rank_requests
 
@@ -160,6 +161,8 @@ def root_cause(log: str) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    if getattr(args, "report", None):
+        return report(Path(args.report), args.targets)
     source = getattr(args, "source", "local") or "local"
     wanted_targets = parse_targets(args.targets, source)  # a typo fails before minutes of set-up
     if source == "sshfs":
@@ -184,11 +187,15 @@ def main(args: argparse.Namespace) -> int:
 
 def bench_checkpoint(model: str | None) -> str:
     """``--model``: a directory, or a preset made under ``.fastload/`` on first use (random bytes
-    for the 6.46 GB one: normal draws would take minutes to write)."""
+    for the 6.46 GB one: normal draws would take minutes to write; ``bench-llama-SCHEME``: the
+    1.67 GB one quantized, for what post-processing costs per scheme)."""
     if model in (None, "bench-llama"):
         return str(write_checkpoint(".fastload/bench-llama", "bench-llama", files=4))
     if model == "bench-llama-6g":
         return str(write_random_checkpoint(".fastload/bench-llama-6g", model, files=4))
+    if model.startswith("bench-llama-") and model.removeprefix("bench-llama-") in SCHEMES:
+        base = write_checkpoint(".fastload/bench-llama", "bench-llama", files=4)
+        return str(quantize_checkpoint(base, Path(".fastload") / model, model.removeprefix("bench-llama-")))
     return model
 
 
@@ -307,6 +314,24 @@ def run_bench(args: argparse.Namespace, model: str, source: str, wanted_targets:
     return 1 if any(not v["ok"] for v in verdicts) else 0
 
 
+def report(path: Path, targets: str | None) -> int:
+    """Print a saved run's tables again and judge it on ``targets`` (``--report``): a run takes
+    half an hour, a question about it should not."""
+    try:
+        saved = json.loads(path.read_text())
+        rows, source = saved["rows"], saved["source"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SystemExit(f"--report {path}: not a JSON file written by vllm-fastload bench ({exc})") from None
+    disk = (saved.get("machine") or {}).get("disk_read_gbps") or []
+    print(f"{path}: {source} run, {saved.get('checkpoint_bytes', 0) / 1e9:.2f} GB checkpoint"
+          + (", stopped early by its time limit" if saved.get("stopped_early") else ""))
+    print_table(rows)
+    verdicts = check_targets(rows, parse_targets(targets, source),
+                             {"disk_gbps": statistics.median(disk)} if disk else None)
+    print_verdicts(verdicts)
+    return 1 if any(not v["ok"] for v in verdicts) else 0
+
+
 def summarize(results: dict[str, list[dict]], total: int) -> list[dict]:
     rows = []
     for key, runs in results.items():
@@ -422,11 +447,20 @@ TARGETS: dict[str, tuple[float, str]] = {
                            "(1.25: at least 80% of the limit)"),
     "netfs-prefetch": (1.00, "network filesystem (--source sshfs), every TP, cold: fastload / the default "
                              "loader's prefetch strategy"),
+    # What users wait for: vLLM's load_model and the time to ready, not load_weights alone.
+    "model-cold-warm": (1.15, "every TP: fastload's cold load_model / its own warm load_model"),
+    "model-cold-tp1": (0.65, "TP=1 cold: fastload / default loader, load_model"),
+    "model-cold-tp2": (0.70, "TP=2 cold: fastload / default loader, load_model"),
+    "model-warm": (1.00, "warm, every TP: fastload / default loader, load_model"),
+    "ready-cold": (1.00, "cold, every TP: fastload / default loader, process start to engine ready"),
+    "weights-warm-tp2": (1.00, "TP=2 warm: fastload / default loader, load_weights (at TP=2 the copy out of the "
+                               "page cache on the rank's core is the floor, not the zero-fill)"),
 }
 
 
 #: Targets that ``--targets all`` means for each source (the others need rows it does not measure).
-SOURCE_TARGETS = {"local": ["cold-tp1", "cold-tp2", "warm-floor", "warm-default", "disk-tp2"],
+SOURCE_TARGETS = {"local": ["cold-tp1", "cold-tp2", "warm-floor", "warm-default", "disk-tp2", "model-cold-warm",
+                            "model-cold-tp1", "model-cold-tp2", "model-warm", "ready-cold", "weights-warm-tp2"],
                   "sshfs": ["netfs-default", "netfs-prefetch"],
                   "s3": ["s3-bytes-tp2", "s3-runai-tp2", "s3-runai-tp1", "s3-limit-tp1"]}
 
@@ -499,6 +533,8 @@ def check_targets(rows: list[dict], targets: dict[str, float], bounds: dict[str,
                         else "rows not measured")
         elif name.startswith("s3-"):
             _s3_verdict(rows, name, limit, verdict)
+        elif name.startswith(("model-", "ready-", "weights-")):
+            _startup_verdict(rows, name, limit, verdict)
         elif name == "disk-tp2":
             fls = [r for r in rows if r["tp"] == "tp2" and r["loader"] == "fastload" and "error" not in r]
             value = max(r["disk_read_per_rank"] / r["checkpoint_bytes"] for r in fls) if fls else None
@@ -526,6 +562,33 @@ def _s3_verdict(rows: list[dict], name: str, limit: float, verdict) -> None:
         gbps = fl.get("server_limit_gbps") if fl else None
         value = fl["seconds_median"] / (fl["checkpoint_bytes"] / 1e9 / gbps) if gbps else None
         verdict(name, tp, value, limit, f"server limit {gbps:.3f} GB/s" if value is not None else "rows not measured")
+
+
+#: Start-up targets: name -> (metric, fastload's cache, the other row's cache, the other row's loader).
+_STARTUP = {
+    "model-cold-warm": ("load_model", "cold", "warm", "fastload"),
+    "model-cold-tp1": ("load_model", "cold", "cold", "safetensors"),
+    "model-cold-tp2": ("load_model", "cold", "cold", "safetensors"),
+    "model-warm": ("load_model", "warm", "warm", "safetensors"),
+    "ready-cold": ("ready", "cold", "cold", "safetensors"),
+    "weights-warm-tp2": ("seconds", "warm", "warm", "safetensors"),
+}
+
+
+def _startup_verdict(rows: list[dict], name: str, limit: float, verdict) -> None:
+    """A ratio of medians of fastload's row to another row of the same TP; for every TP measured
+    unless the name ends in one."""
+    metric, cache, other_cache, other = _STARTUP[name]
+    tps = [name[-3:]] if name[-3:-1] == "tp" else sorted({r["tp"] for r in rows if r["loader"] == "fastload"})
+    for tp in tps or ["tp?"]:
+        fl, base = _row(rows, tp, cache, "fastload"), _row(rows, tp, other_cache, other)
+        key = f"{metric}_median"
+        if not (fl and base and fl.get(key) and base.get(key)):
+            verdict(name, tp, None, limit, "rows not measured")
+            continue
+        label = "load_weights" if metric == "seconds" else metric
+        verdict(name, tp, fl[key] / base[key], limit,
+                f"{label} {fl[key]:.2f} s ({cache} fastload) / {base[key]:.2f} s ({other_cache} {other})")
 
 
 def _warm_verdict(rows: list[dict], name: str, tp: str, limit: float, verdict) -> None:
