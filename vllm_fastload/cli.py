@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="vLLM load_weights with fastload vs vLLM's loaders, in subprocesses")
     p.add_argument("--model", default=None, help="a checkpoint directory, or bench-llama (1.67 GB, the default), "
                    "bench-llama-6g (6.46 GB, Llama-3-8B shapes with 10 layers) or bench-llama-SCHEME (the 1.67 GB "
-                   "one quantized; SCHEME: int8, fp8, int4, gptq, awq), made on first use")
+                   "one quantized; SCHEME: int8, fp8, int4, gptq, awq), made under .fastload/ on first use")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repetitions (medians need >= 3)")
     p.add_argument("--tp", default="1,2", help="comma-separated TP sizes")
     p.add_argument("--loaders", default=None, help="comma-separated; default: the source's usual set, "

@@ -5,7 +5,8 @@ checkpoint's own weights, in the formats vLLM reads: compressed-tensors W8A8 (in
 weights, one scale per output channel, dynamic per-token activations) or W4A16 (int4 packed
 eight to an int32, one scale per ``GROUP`` inputs), and the GPTQ and AWQ int4 layouts (AutoGPTQ's
 and AutoAWQ's tensors; GPTQ without ``g_idx``, which vLLM 0.32 has no parameter for). The linear
-layers of the decoder are quantized; the embeddings, norms and the LM head are copied.
+layers of the decoder are quantized (by their Llama names, ``q_proj`` ... ``down_proj``; a
+checkpoint without them is refused); the embeddings, norms and the LM head are copied.
 """
 
 from __future__ import annotations
@@ -22,16 +23,31 @@ GROUP = 32
 #: The schemes ``quantize_checkpoint`` writes.
 SCHEMES = ("int8", "fp8", "int4", "gptq", "awq")
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: What an output was made from (the scheme, and the base's own stamp).
+_STAMP = ".fastload-quantized.json"
+#: ``tools.checkpoints.write_checkpoint``'s stamp in the base directory.
+_BASE_STAMP = ".fastload-checkpoint.json"
 
 
 def quantize_checkpoint(base: str | Path, out: str | Path, scheme: str) -> Path:
-    """Write ``base`` quantized with ``scheme`` to ``out`` (same shards, an index); an existing
-    ``out`` is kept as it is. Written to a temporary directory first, so a stopped run leaves none."""
+    """Write ``base`` quantized with ``scheme`` to ``out`` (same shards, an index).
+
+    Idempotent: an ``out`` made from the same ``base`` (as its ``write_checkpoint`` stamp says)
+    and scheme is kept; one made from another is made again; a directory this function did not
+    write is refused. Written to a temporary directory first, so a stopped run leaves none.
+    """
     if scheme not in SCHEMES:
         raise ValueError(f"unknown scheme {scheme!r}; known: {', '.join(SCHEMES)}")
     base, out = Path(base), Path(out)
-    if (out / "config.json").exists():
-        return out
+    source = base / _BASE_STAMP
+    recipe = {"scheme": scheme, "base": json.loads(source.read_text()) if source.exists() else str(base.resolve())}
+    stamp = out / _STAMP
+    if stamp.exists():
+        if json.loads(stamp.read_text()) == recipe:
+            return out
+        shutil.rmtree(out)
+    elif out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out}: not empty and not a checkpoint quantize_checkpoint wrote; not overwritten")
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -39,16 +55,24 @@ def quantize_checkpoint(base: str | Path, out: str | Path, scheme: str) -> Path:
     config["quantization_config"] = _config(scheme)
     (tmp / "config.json").write_text(json.dumps(config, indent=1))
     index: dict = {"metadata": {}, "weight_map": {}}
+    quantized = 0
     for shard in sorted(base.glob("*.safetensors")):
         tensors: dict[str, torch.Tensor] = {}
         for key, t in load_file(shard).items():
             if key.endswith(".weight") and key.split(".")[-2] in _LINEARS:
                 tensors.update(_quantize(scheme, key.removesuffix(".weight"), t.float()))
+                quantized += 1
             else:
                 tensors[key] = t
         save_file(tensors, tmp / shard.name, metadata={"format": "pt"})
         index["weight_map"].update(dict.fromkeys(tensors, shard.name))
+    if not quantized:
+        shutil.rmtree(tmp)
+        raise ValueError(f"{base}: no linear weight named {', '.join(_LINEARS)} to quantize")
     (tmp / "model.safetensors.index.json").write_text(json.dumps(index))
+    (tmp / _STAMP).write_text(json.dumps(recipe))
+    if out.exists():
+        out.rmdir()  # empty, checked above
     tmp.rename(out)
     return out
 
@@ -115,8 +139,9 @@ def _int4_layout(scheme: str, prefix: str, w: torch.Tensor) -> dict[str, torch.T
     Both store the weight transposed, (in, out). GPTQ packs eight 4-bit values per int32 down the
     input dim (``qweight`` (in / 8, out)) and its zero points across the output dim; AWQ packs both
     across the output dim (``qweight`` (in, out / 8)). ``scales`` are fp16 (in / GROUP, out), cast by
-    the loader to the model's bf16. The nibble order is the layouts'; the values are for loading and
-    running, not for meaningful outputs.
+    the loader to the model's bf16. Nibbles are packed in plain order (AutoAWQ interleaves them)
+    and the zero points are random: what matters here is loading exactly and running, not what
+    the model computes.
     """
     out_f, in_f = w.shape
     groups = w.t().reshape(in_f // GROUP, GROUP, out_f)
