@@ -16,7 +16,7 @@ from vllm_fastload.events import LoadProgress, resolve_callback
 from vllm_fastload.executor import LoadStats, PlanExecutor
 from vllm_fastload.format import TensorInfo
 from vllm_fastload.plan import LayerGroup, Plan, TensorRequest, build_plan, plan_tensor
-from vllm_fastload.readers import Reader, make_reader
+from vllm_fastload.readers import Reader, make_reader, pagecache
 from vllm_fastload.sources import fstype
 from vllm_fastload.tensors import CASTABLE, cast, torch_dtype, torch_shape
 
@@ -99,6 +99,27 @@ class FastCheckpoint:
         if self._reader is None:
             self._reader = make_reader(self.config, self.device, remote=self.checkpoint.is_remote)
         return self._reader
+
+    def cached_share(self, names: Iterable[str]) -> float | None:
+        """The share of the named tensors' bytes in the page cache, from a sample of 16 pages per
+        tensor; None where it cannot be told (objects, or ``mincore`` not answering truthfully)."""
+        if self.checkpoint.is_remote:
+            return None
+        found = weight = 0.0
+        for name in names:
+            info = self.checkpoint.info(name)
+            share = pagecache.cached_share(self.checkpoint.files[info.file].fd, info.start, info.end)
+            if share is None:
+                return None
+            found += share * info.nbytes
+            weight += info.nbytes
+        return found / weight if weight else None
+
+    @property
+    def on_network_filesystem(self) -> bool:
+        """Whether the (local) files are on a network filesystem (``sources.fstype``)."""
+        return not self.checkpoint.is_remote and any(
+            fstype.is_network(fstype.filesystem_type(path)) for path in self.checkpoint.files)
 
     @property
     def strided_min_skip(self) -> int:

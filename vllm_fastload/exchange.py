@@ -74,7 +74,7 @@ class ExchangeStats:
 Candidate = tuple[tuple[int, ...], str, int, int, int]
 
 
-def _candidates(targets: Mapping[TensorRequest, torch.Tensor], infos: Mapping[str, TensorInfo]) -> dict[str, Candidate]:
+def candidates(targets: Mapping[TensorRequest, torch.Tensor], infos: Mapping[str, TensorInfo]) -> dict[str, Candidate]:
     """This rank's slices along a later dim, one per tensor. Shapes in torch's units (an F4
     tensor's last dim is packed), as the requests are. A tensor asked for more than once is left
     to the plain read (no single slice to swap)."""
@@ -121,21 +121,24 @@ def _split_rows(count: int, world: int) -> tuple[tuple[int, int], ...]:
 
 
 def agree(collectives: Collectives, targets: Mapping[TensorRequest, torch.Tensor] | None,
-          infos: Mapping[str, TensorInfo]) -> RowExchange | None:
+          infos: Mapping[str, TensorInfo], scope: str | None = None) -> RowExchange | None:
     """Find, with every rank of the group, the tensors all of them slice along the same later dim.
 
     Every rank must call this once (``targets`` None: this rank reads nothing by plan, e.g. it
-    falls back to whole reads; then no rank exchanges). Returns None when nothing is shared.
+    falls back to whole reads, or does not offer to share; then no rank exchanges). ``scope``:
+    ranks share only if all give the same (e.g. the machine, for files each machine reads from
+    its own disk). Returns None when nothing is shared.
     """
     world = collectives.world
     try:
-        mine = None if targets is None else _candidates(targets, infos)
+        mine = None if targets is None else candidates(targets, infos)
     except BaseException:
         collectives.all_gather_object(None)  # the others must not wait for this rank
         raise
-    everyone = collectives.all_gather_object(mine)
-    if any(c is None for c in everyone):
+    offers = collectives.all_gather_object(None if mine is None else (scope, mine))
+    if any(o is None for o in offers) or len({o[0] for o in offers}) != 1:
         return None
+    everyone = [o[1] for o in offers]
     shared: dict[str, SharedTensor] = {}
     for name in sorted(set.intersection(*(set(c) for c in everyone))):
         # Same shape, dtype and dim on every rank (ranks reading different copies share nothing).

@@ -176,7 +176,7 @@ def test_candidates_count_f4_in_torch_units() -> None:
     # Two F4 values per torch element: the rows, columns and byte counts the ranks swap are in
     # the packed units the requests use, also for a slice along a middle dim.
     info = TensorInfo("experts.w13", "m.safetensors", "F4", (3, 8, 16), 0, 3 * 8 * 16 // 2)
-    got = exchange._candidates({TensorRequest("experts.w13", dim=1, start=4, length=4): None},
+    got = exchange.candidates({TensorRequest("experts.w13", dim=1, start=4, length=4): None},
                                {"experts.w13": info})
     assert got == {"experts.w13": ((3, 8, 8), "F4", 1, 4, 4)}
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from vllm_fastload.bench.machine import evict
 from vllm_fastload.tools.vllm_server import SMALL_MODEL_FLAGS, VllmServer
 
 from .conftest import ARCHITECTURES, HERE, UNUSED_TENSOR, rewrite, run_scenario
@@ -44,6 +45,11 @@ def test_fastload_equals_default_loader(arch, tp, checkpoints, scenarios, tmp_pa
     exchanged = tp == 2 and arch in ("llama-gqa", "mixtral")
     if exchanged:
         extra = {"row_exchange": "always"}
+    # With the defaults the ranks share row reads when the checkpoint is not in the page cache:
+    # this start finds it evicted (the other starts find it as the host left it, so either way).
+    cold = tp == 2 and arch == "qwen2"
+    if cold:
+        evict(sorted(str(p) for p in checkpoints[arch].glob("*.safetensors")))
     with_events = arch == "llama-gqa" and tp == 2
     if with_events:
         # The same run also proves user callbacks named by string fire on every rank, and only
@@ -89,12 +95,10 @@ def test_fastload_equals_default_loader(arch, tp, checkpoints, scenarios, tmp_pa
     assert "reading every tensor in full" not in fast["log"]
     shared = re.findall(r"fastload rank \d/2: .*; (\d+) sliced tensors read as whole rows shared with the other "
                         r"1 rank\(s\) \(([\d.]+) MB sent in (\d+) exchanges", fast["log"])
-    if exchanged:
+    if exchanged or cold:
         assert len(shared) == 2, fast["log"][-3000:]
         # o_proj and down_proj (w2 of every expert for mixtral) of both layers went through it.
         assert all(int(n) >= 2 and float(mb) > 0 and int(layers) == 2 for n, mb, layers in shared), shared
-    else:
-        assert not shared
 
     if with_events:
         for rank in range(tp):
