@@ -44,7 +44,7 @@ LOADERS: dict[str, tuple[str, dict | None]] = {
     "fastload-buffered": ("fastload", {"direct_io": "never"}),
     # Each rank reads its own columns of row-parallel weights (what fastload did before the row exchange).
     "fastload-no-exchange": ("fastload", {"row_exchange": "never"}),
-    # The row exchange on every source (its default is object stores only).
+    # The row exchange on every source (by default: object stores and cold local disks).
     "fastload-exchange": ("fastload", {"row_exchange": "always"}),
     # The path through the model's load_weights (whole tensors from iter_tensors), which fastload
     # takes where its probe cannot describe a model's loading.
