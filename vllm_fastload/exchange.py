@@ -1,12 +1,13 @@
 """Row exchange: ranks that each need a column slice of the same tensor read whole rows and swap columns.
 
-A row-parallel weight's slice on a rank is part of every row. From local files that is cheap
-(the page cache, row-wise ``preadv``), but an object store answers one range per request: a
-rank either pays one request per row or reads the rows whole, and at TP=2 the ranks then fetch
-the row-parallel weights twice over. Instead each rank of the group reads a contiguous block of
-whole rows (``row_requests``) and, once a layer is delivered, one ``all_to_all`` per layer sends
-every other rank the columns it takes from those rows. Every byte is fetched from the store
-once in the group, in large ranged GETs.
+A row-parallel weight's slice on a rank is part of every row. From a warm page cache that is
+cheap (row-wise ``preadv``), but an object store answers one range per request: a rank either
+pays one request per row or reads the rows whole, and at TP=2 the ranks then fetch the
+row-parallel weights twice over. (From a cold local disk the rows' pages are small scattered
+reads as well, where a block of whole rows is one large read.) Instead each rank of the group
+reads a contiguous block of whole rows (``row_requests``) and, once a layer is delivered, one
+``all_to_all`` per layer sends every other rank the columns it takes from those rows. Every
+byte is fetched once in the group, in large reads.
 
 Engine-independent: the ranks talk through ``Collectives``, over any ``torch.distributed``
 process group that runs ``all_gather_object`` and ``all_to_all_single`` on host tensors (gloo);

@@ -135,38 +135,25 @@ def test_early_reads_read_every_file_only_when_asked_for(mounted: Path, local_ch
     assert files_to_read("s3://bucket/model", {}) == []
 
 
-def test_row_exchange_by_default_only_from_a_cold_local_disk(mounted: Path, local_checkpoint: Path) -> None:
-    """What a vLLM rank offers its tensor-parallel group (``rank._Sharing.offer``), decided on the
-    local disk cold and warm and on a real sshfs mount: by default only a cold local disk shares
-    row reads, within the machine; ``always`` and ``never`` are obeyed everywhere."""
+def test_no_row_exchange_by_default_on_a_network_filesystem(mounted: Path, local_checkpoint: Path) -> None:
+    """What a vLLM rank offers its tensor-parallel group (``rank._Sharing.offer``) for a checkpoint
+    on a real sshfs mount, cold: by default nothing (the client's page cache shares already);
+    ``always`` and ``never`` are obeyed. (A local disk: tests/vllm/test_sharing.py.)"""
     from vllm_fastload.bench.machine import evict
     from vllm_fastload.config import FastloadConfig
     from vllm_fastload.plan import TensorRequest
-    from vllm_fastload.vllm_plugin.rank import _machine, _Sharing
+    from vllm_fastload.vllm_plugin.rank import _Sharing
 
-    files = sorted(str(p) for p in local_checkpoint.glob("*.safetensors"))
-    row_slices = ("model.layers.0.self_attn.o_proj.weight", "model.layers.1.mlp.down_proj.weight")
-
-    def offer(where: Path, **settings) -> tuple[bool, str | None]:
+    def offer(**settings) -> tuple[bool, str | None]:
         config = FastloadConfig(progress=False, **settings)
-        with vllm_fastload.open(where, config=config) as ckpt:
+        with vllm_fastload.open(mounted, config=config) as ckpt:
+            evict(sorted(str(p) for p in local_checkpoint.glob("*.safetensors")))  # the server's pages
             infos = {name: ckpt.info(name) for name in ckpt.keys()}
-            targets = {TensorRequest(name, dim=1, start=0, length=infos[name].shape[1] // 2): None
-                       for name in row_slices}
-            targets[TensorRequest("model.norm.weight")] = None  # not a row slice: never asked about
+            name = "model.layers.0.self_attn.o_proj.weight"
             sharing = _Sharing(None)
             sharing.decide(config, ckpt, infos)
-            return sharing.offer(targets)
+            return sharing.offer({TensorRequest(name, dim=1, start=0, length=infos[name].shape[1] // 2): None})
 
-    evict(files)
-    assert offer(local_checkpoint) == (True, _machine())
-    assert _machine() and _machine() == _machine()
-    assert offer(local_checkpoint, row_exchange="never") == (False, None)
-    assert offer(local_checkpoint, plan_per_rank=False) == (False, None)
-    for path in files:  # warm: the ranks' own copies out of the page cache are faster
-        Path(path).read_bytes()
-    assert offer(local_checkpoint) == (False, _machine())
-    assert offer(local_checkpoint, row_exchange="always") == (True, None)
-    evict(files)
-    assert offer(mounted) == (False, None)  # a network filesystem: the client's cache shares already
-    assert offer(mounted, row_exchange="always") == (True, None)
+    assert offer() == (False, None)
+    assert offer(row_exchange="always") == (True, None)
+    assert offer(row_exchange="never") == (False, None)

@@ -41,7 +41,8 @@ def assert_ok(result: dict) -> None:
 def test_fastload_equals_default_loader(arch, tp, checkpoints, scenarios, tmp_path):
     extra, env = None, None
     # Two of the TP=2 runs share row-parallel weights between the ranks (the row exchange, which
-    # object stores use by default) instead of each rank reading its columns of every row.
+    # object stores and cold local disks use by default) instead of each rank reading its columns
+    # of every row.
     exchanged = tp == 2 and arch in ("llama-gqa", "mixtral")
     if exchanged:
         extra = {"row_exchange": "always"}

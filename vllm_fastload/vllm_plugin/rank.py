@@ -5,7 +5,7 @@
 2. Plan: whole tensors and narrows are read straight into the parameters, other writes from
    slabs replayed afterwards, tensors no write takes are not read (see ``reads``).
 3. Read: one aggregated pass in layer order through the core reader, firing layer events; at
-   TP>1 on object stores the ranks share row reads (see ``exchange``).
+   TP>1 on object stores and cold local disks the ranks share row reads (see ``exchange``).
 If the probe cannot describe the model's loading, every tensor is read in full and handed to
 ``model.load_weights`` for real, the way vLLM's default loader does it.
 
@@ -283,7 +283,7 @@ class _Sharing:
     are not in the page cache, when the whole group is on one machine: each rank then reads a
     block of whole rows with ``O_DIRECT`` instead of its columns of every row through the page
     cache (vLLM-CPU, TP=2, 1.67 GB Llama, cold: ``load_weights`` 1.11 s against 1.52 s), while from
-    a warm page cache the ranks' own copies are faster (1.34 s against 1.57-1.76 s sharing). Not
+    a warm page cache the ranks' own copies are faster (1.36 s against 1.58 s sharing). Not
     for network filesystems: on sshfs at TP=2 the ranks' own reads took 1.28 s against 1.48 s
     sharing, median of 3, since the client's page cache already fetches the bytes both ranks read
     once and the swaps make the ranks wait for each other.
@@ -296,12 +296,14 @@ class _Sharing:
         self.collectives = collectives if collectives is not None and collectives.world > 1 else None
         self.pending = self.collectives is not None
         self.mode = "never"
+        self.direct = True
         self.ckpt: vllm_fastload.FastCheckpoint | None = None
         self.infos: dict = {}
 
     def decide(self, config: FastloadConfig, ckpt: vllm_fastload.FastCheckpoint, infos: dict) -> None:
         """What this rank will offer, once the checkpoint is open."""
         self.mode = config.row_exchange if config.plan_per_rank else "never"
+        self.direct = config.direct_io != "never"
         self.ckpt, self.infos = ckpt, infos
 
     def offer(self, targets: dict | None) -> tuple[bool, str | None]:
@@ -311,7 +313,8 @@ class _Sharing:
             return False, None
         if self.mode == "always" or self.ckpt.checkpoint.is_remote:
             return True, None
-        if self.ckpt.reader.name != "host" or self.ckpt.on_network_filesystem:
+        # A block of whole rows pays where it is one O_DIRECT read by the host reader.
+        if not self.direct or self.ckpt.on_network_filesystem or self.ckpt.reader.name != "host":
             return False, None
         sliced = exchange.candidates(targets, self.infos)
         cached = self.ckpt.cached_share(sliced) if sliced else None
@@ -320,8 +323,16 @@ class _Sharing:
     def agree(self, targets: dict | None) -> exchange.RowExchange | None:
         if not self.pending:
             return None
+        try:
+            offered, scope = self.offer(targets)
+        except Exception as exc:  # a default's guess must not fail the load; the reads will tell
+            logger.warning("fastload: not sharing row reads with the other ranks: %s", exc)
+            offered, scope = False, None
+        except BaseException:
+            self.pending = False
+            exchange.agree(self.collectives, None, self.infos)  # the others must not wait for this rank
+            raise
         self.pending = False
-        offered, scope = self.offer(targets)
         return exchange.agree(self.collectives, targets if offered else None, self.infos, scope=scope)
 
     def give_up(self) -> None:
