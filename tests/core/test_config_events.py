@@ -71,6 +71,9 @@ def test_byte_size_strings(text, value: int):
     ({"on_layer_ready": "no_colon_here"}, "on_layer_ready"),
     ({"on_layer_ready": ["mod:"]}, "on_layer_ready"),
     ({"strided_min_skip": "lots"}, "strided_min_skip"),
+    ({"cpus": []}, "cpus"),
+    ({"cpus": [-1]}, "cpus"),
+    ({"cpus": [100000]}, "cpus"),
 ])
 def test_bad_values_name_the_field(values: dict, field: str):
     with pytest.raises(ConfigError) as info:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,8 @@ from safetensors import safe_open
 
 from vllm_fastload import InvalidRequestError, TensorNotFoundError, TensorRequest
 from vllm_fastload.errors import CheckpointError
+from vllm_fastload.readers import memory
+from vllm_fastload.readers.memory import Prefault
 from vllm_fastload.tools.checkpoints import write_checkpoint
 
 from ._util import (
@@ -176,12 +179,17 @@ def test_reads_match_safetensors(config_name: str, case: Case):
     check_case(case, CONFIGS[config_name])
 
 
+#: One CPU this process may run on, to pin reader threads to (``cpus``).
+ONE_CPU = [min(os.sched_getaffinity(0))]
+
+
 @PROPERTY_SETTINGS
 @given(case=cases(), threads=st.sampled_from([1, 4]), skip=st.sampled_from([0, 64, 4096, 1 << 40]),
-       aggregate=st.sampled_from([4096, 12288, 65536]))
-def test_reads_match_safetensors_mixed_configs(case: Case, threads: int, skip: int, aggregate: int):
+       aggregate=st.sampled_from([4096, 12288, 65536]), cpus=st.sampled_from([None, ONE_CPU]))
+def test_reads_match_safetensors_mixed_configs(case: Case, threads: int, skip: int, aggregate: int,
+                                               cpus: list[int] | None):
     config = {"threads": threads, "strided_min_skip": skip, "read_size": 4096, "aggregate_size": aggregate,
-              "memory_budget": 2 * aggregate + 4096}
+              "memory_budget": 2 * aggregate + 4096, "cpus": cpus}
     check_case(case, config)
 
 
@@ -428,3 +436,32 @@ def test_reads_into_destinations_queue_as_far_ahead_as_the_reader_asks(tmp_path:
         assert_bitexact(dests[name], want, name)
     # Each 4 KiB tensor is a chunk: three in flight, or 6 x 4 KiB queued beyond them.
     assert most[0] == (3 if not ahead else 6)
+
+
+@pytest.mark.parametrize("direct_io", ["never", "always"])
+def test_reader_threads_run_on_the_configured_cpus(fused, direct_io: str):
+    """``cpus`` moves the reader's threads, and only them: the caller stays where it was."""
+    path, w = fused
+    before = os.sched_getaffinity(0)
+    with open_ckpt(path, {"cpus": ONE_CPU, "threads": 3, "direct_io": direct_io}) as ckpt:
+        dest = torch.empty_like(w)
+        ckpt.read_into({"model.layers.0.qkv.weight": dest})
+        assert_bitexact(dest, w, "read_into with cpus")
+        seen = {frozenset(f.result()) for f in [ckpt.reader.threads().submit(os.sched_getaffinity, 0)
+                                                 for _ in range(6)]}
+        assert seen == {frozenset(ONE_CPU)}
+    assert os.sched_getaffinity(0) == before
+
+
+def test_prefault_thread_runs_on_the_configured_cpus(monkeypatch):
+    """The fallback path faults parameters in on a thread of its own: on ``cpus`` too."""
+    seen: list[set[int]] = []
+
+    def populate(address: int, length: int) -> int:
+        seen.append(os.sched_getaffinity(0))
+        return 1
+
+    monkeypatch.setattr(memory, "populate", populate)
+    with Prefault([torch.empty(4096, dtype=torch.uint8)], cpus=ONE_CPU) as prefault:
+        prefault._thread.join()
+    assert seen == [set(ONE_CPU)] and prefault.faulted == 1

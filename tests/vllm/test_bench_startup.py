@@ -23,7 +23,8 @@ def test_vllm_bench_startup_runs_with_the_fastload_load_format(tmp_path):
     out = tmp_path / "startup.json"
     cmd = [sys.executable, "-m", "vllm_fastload.bench.vllm_startup", "--model", str(model),
            "--load-format", "fastload", "--dtype", "bfloat16", "--max-model-len", "128", "--enforce-eager",
-           "--skip-tokenizer-init", "--num-iters-cold", "1", "--num-iters-warmup", "0", "--num-iters-warm", "1",
+           "--skip-tokenizer-init", "--gpu-memory-utilization", "0.5",
+           "--num-iters-cold", "1", "--num-iters-warmup", "0", "--num-iters-warm", "1",
            "--output-json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=vllm_env(1))
     log = proc.stdout + proc.stderr

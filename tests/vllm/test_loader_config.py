@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 from vllm.config.load import LoadConfig
 
 from vllm_fastload.errors import ConfigError
+from vllm_fastload.vllm_plugin import cpus
 from vllm_fastload.vllm_plugin.loader import FastloadModelLoader
 
 
@@ -54,3 +60,48 @@ def test_whole_reads_on_several_ranks_go_through_the_page_cache():
     assert _whole_reads_config(config, 1) is config
     always = FastloadConfig.build({"direct_io": "always"})
     assert _whole_reads_config(always, 2) is always  # an explicit choice is kept
+
+
+# A rank process whose main thread vLLM bound to one core, started by an unbound engine process
+# (this test): which CPUs its reader threads get, with vLLM's automatic binding and with the user's.
+BOUND_RANK = """
+import json, os, sys, threading
+engine = threading.Event()
+if sys.argv[1] == "in-process":  # an engine thread started before vLLM binds the main thread
+    threading.Thread(target=engine.wait, daemon=True).start()
+os.sched_setaffinity(0, {0})
+from vllm_fastload.vllm_plugin.cpus import reader_cpus
+print(json.dumps(reader_cpus()))
+engine.set()
+"""
+
+
+def _rank_cpus(bind: str | None, engine: str = "own-process") -> list[int] | None:
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_OMP_THREADS_BIND"}
+    if bind is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+    out = subprocess.run([sys.executable, "-c", BOUND_RANK, engine], env=env, capture_output=True, text=True,
+                         check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not {0, 1} <= os.sched_getaffinity(0), reason="needs CPUs 0 and 1 (the loader's choice of "
+                    "CPUs beside a rank bound to CPU 0)")
+def test_reader_cpus_beside_a_bound_rank():
+    same_node = [c for c in sorted(os.sched_getaffinity(0)) if cpus._node(c) == cpus._node(0)]
+    # Automatic binding: the rank's core and the free cores of its NUMA node.
+    assert _rank_cpus(None) == _rank_cpus("auto") == same_node
+    # The user's binding gives CPU 1 to another rank: never added. An unreadable one adds nothing.
+    assert _rank_cpus("0|1") is None
+    assert _rank_cpus("0-1") is None
+    assert _rank_cpus("zero|one") is None
+    # The engine's threads in the rank's own process run everywhere: so do the reader's.
+    assert _rank_cpus(None, "in-process") == sorted(os.sched_getaffinity(0))
+    # An unbound process (GPUs, "nobind") keeps its threads where they are.
+    assert cpus.reader_cpus() is None
+
+
+def test_cpus_bound_by_the_user(monkeypatch):
+    for setting, want in [("0-3|4,6", {0, 1, 2, 3, 4, 6}), ("auto", set()), ("nobind", set()), ("", set())]:
+        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", setting)
+        assert cpus._bound_by_user() == want

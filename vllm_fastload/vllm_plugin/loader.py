@@ -22,6 +22,7 @@ from vllm_fastload.config import FastloadConfig
 from vllm_fastload.errors import CheckpointError, ConfigError
 from vllm_fastload.sources import is_remote
 from vllm_fastload.vllm_plugin import compat, model_hooks
+from vllm_fastload.vllm_plugin.cpus import reader_cpus
 from vllm_fastload.vllm_plugin.post import LayerPostProcessor
 from vllm_fastload.vllm_plugin.rank import load_rank, model_device
 
@@ -51,14 +52,18 @@ class FastloadModelLoader(BaseModelLoader):
         #: Where vLLM post-processes, while ``load_model`` runs (None: ``load_weights`` called on
         #: its own, e.g. by a weight reload, which post-processes in its own way).
         self._post_device: torch.device | None = None
+        #: Where this rank's reader threads run, while ``load_model`` runs (see ``cpus``).
+        self._cpus: list[int] | None = None
 
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
         load_device = vllm_config.load_config.device or vllm_config.device_config.device
         self._post_device = torch.device(load_device)
+        self._cpus = None if "cpus" in self.config.model_fields_set else reader_cpus()
         try:
             return super().load_model(vllm_config, model_config, prefix=prefix)
         finally:
             self._post_device = None
+            self._cpus = None
 
     # -- BaseModelLoader --------------------------------------------------------------------
     def download_model(self, model_config: ModelConfig) -> None:
@@ -76,12 +81,15 @@ class FastloadModelLoader(BaseModelLoader):
             return
         files = model_hooks.checkpoint_files(model, path)
         post = self._post_processor(model)
-        report = load_rank(model, path if files is None else files, self.config, device=model_device(model),
+        config = self._rank_config()
+        report = load_rank(model, path if files is None else files, config, device=model_device(model),
                            rank=rank, world=world, collectives=_tp_collectives(),
                            show_progress=self.config.progress and rank == 0, listener=post)
         line = report.line()
         if post is not None:
             line += f"; {post.processed} modules post-processed as their layer completed"
+        if config.cpus:
+            line += f"; reader threads on CPUs {','.join(map(str, config.cpus))}"
         logger.info("%s", line)
         self.report = {"rank": rank, "world": world, "planned": report.planned,
                        "fallback_reason": report.fallback_reason, "bytes_read": report.bytes_read,
@@ -91,6 +99,15 @@ class FastloadModelLoader(BaseModelLoader):
         self._check_complete(model, model_config, loaded, path)
 
     # -- helpers ----------------------------------------------------------------------------
+    def _rank_config(self) -> FastloadConfig:
+        """The config with this rank's reader CPUs, and a thread per CPU (4 to 16) unless set."""
+        if self._cpus is None:
+            return self.config
+        update: dict = {"cpus": self._cpus}
+        if "threads" not in self.config.model_fields_set:
+            update["threads"] = max(self.config.threads, min(16, len(self._cpus)))
+        return self.config.model_copy(update=update)
+
     def _post_processor(self, model: nn.Module) -> LayerPostProcessor | None:
         """Post-processing layer by layer (``post_per_layer``), where vLLM's pass follows this load."""
         if not self.config.post_per_layer or self._post_device is None:

@@ -219,7 +219,7 @@ def _load_through_model(model: nn.Module, ckpt: vllm_fastload.FastCheckpoint) ->
     try:
         # vLLM copies each tensor into its parameter: fresh parameter pages are faulted in
         # ahead of it on another thread, as the per-rank path does before reading into them.
-        with Prefault(p.data for p in model.parameters()):
+        with Prefault((p.data for p in model.parameters()), cpus=ckpt.config.cpus):
             loaded = model.load_weights(weights())
     except CheckpointError:
         raise
