@@ -182,7 +182,7 @@ def test_cached_reads_fault_destinations_in_ahead_of_fewer_copiers(tmp_path: Pat
     reaches the caller with the file and tensor."""
     tensors = {f"t{i}": random_tensor((257, 129), torch.bfloat16, i) for i in range(6)}
     path = save(tmp_path / "m.safetensors", tensors)
-    monkeypatch.setattr(host, "usable_cpus", lambda: 1)
+    one_cpu = [min(os.sched_getaffinity(0))]  # the reader's threads on one CPU: one copier
     faulted: list[int] = []
     real = host._populate_batch
 
@@ -191,7 +191,8 @@ def test_cached_reads_fault_destinations_in_ahead_of_fewer_copiers(tmp_path: Pat
         real(dests)
 
     monkeypatch.setattr(host, "_populate_batch", counting)
-    config = dict(SMALL, threads=3, read_size=16384, aggregate_size=65536, direct_io="never", check_file_changes=False)
+    config = dict(SMALL, threads=3, read_size=16384, aggregate_size=65536, direct_io="never", check_file_changes=False,
+                  cpus=one_cpu)
     with open_ckpt(path, config) as ckpt:
         for _ in ckpt.iter_tensors():
             pass  # fills the page cache, so the next reads take the cached path

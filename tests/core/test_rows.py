@@ -301,10 +301,9 @@ def test_cache_probe_and_advice(tmp_path: Path, monkeypatch):
 
 
 def test_copies_from_the_page_cache_use_no_more_threads_than_cpus(wide, monkeypatch):
-    """Cached reads are CPU work: on a rank bound to one core they run on one thread."""
+    """Cached reads are CPU work: with the reader's threads on one CPU they run on one thread."""
     path, w = wide
-    monkeypatch.setattr(host, "usable_cpus", lambda: 1)
-    with open_ckpt(path, {"threads": 4, "read_size": 4096}) as ckpt:
+    with open_ckpt(path, {"threads": 4, "read_size": 4096, "cpus": [min(os.sched_getaffinity(0))]}) as ckpt:
         names: set[str] = set()
         real = host._read_batch
 
