@@ -62,7 +62,7 @@ def usable_cpus() -> int:
         return os.cpu_count() or 2
 
 
-def reader_cpus(config: FastloadConfig) -> int:
+def reader_cpu_count(config: FastloadConfig) -> int:
     """CPUs a reader's threads may run on: ``config.cpus``, else the calling thread's."""
     return len(config.cpus) if config.cpus else usable_cpus()
 

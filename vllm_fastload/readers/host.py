@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from vllm_fastload.config import FastloadConfig, reader_cpus
+from vllm_fastload.config import FastloadConfig, reader_cpu_count
 from vllm_fastload.format import SafetensorsFile
 from vllm_fastload.plan import Rows
 from vllm_fastload.readers import direct, mapped, pagecache, row_pages
@@ -184,7 +184,7 @@ class HostReader(Reader):
 
     def _copiers(self) -> ThreadPoolExecutor:
         if self._copy_pool is None:
-            n = min(self.config.threads, reader_cpus(self.config))
+            n = min(self.config.threads, reader_cpu_count(self.config))
             if n >= self.config.threads:
                 return self.threads()
             self._copy_pool = thread_pool(n, "fastload-copy", self.config.cpus)

@@ -296,14 +296,12 @@ class _Sharing:
         self.collectives = collectives if collectives is not None and collectives.world > 1 else None
         self.pending = self.collectives is not None
         self.mode = "never"
-        self.direct = True
         self.ckpt: vllm_fastload.FastCheckpoint | None = None
         self.infos: dict = {}
 
     def decide(self, config: FastloadConfig, ckpt: vllm_fastload.FastCheckpoint, infos: dict) -> None:
         """What this rank will offer, once the checkpoint is open."""
         self.mode = config.row_exchange if config.plan_per_rank else "never"
-        self.direct = config.direct_io != "never"
         self.ckpt, self.infos = ckpt, infos
 
     def offer(self, targets: dict | None) -> tuple[bool, str | None]:
@@ -314,7 +312,8 @@ class _Sharing:
         if self.mode == "always" or self.ckpt.checkpoint.is_remote:
             return True, None
         # A block of whole rows pays where it is one O_DIRECT read by the host reader.
-        if not self.direct or self.ckpt.on_network_filesystem or self.ckpt.reader.name != "host":
+        if (self.ckpt.config.direct_io == "never" or self.ckpt.on_network_filesystem
+                or self.ckpt.reader.name != "host"):
             return False, None
         sliced = exchange.candidates(targets, self.infos)
         cached = self.ckpt.cached_share(sliced) if sliced else None
