@@ -100,11 +100,14 @@ class FastCheckpoint:
             self._reader = make_reader(self.config, self.device, remote=self.checkpoint.is_remote)
         return self._reader
 
-    def cached_share(self, names: Iterable[str]) -> float | None:
+    def cached_share(self, names: Iterable[str] | None = None) -> float | None:
         """The share of the named tensors' bytes in the page cache, from a sample of 16 pages per
-        tensor; None where it cannot be told (objects, or ``mincore`` not answering truthfully)."""
+        tensor (no names: of the checkpoint's bytes, 64 pages per file); None where it cannot be
+        told (objects, or ``mincore`` not answering truthfully)."""
         if self.checkpoint.is_remote:
             return None
+        if names is None:
+            return self._cached_share_of_files()
         found = weight = 0.0
         for name in names:
             info = self.checkpoint.info(name)
@@ -113,6 +116,17 @@ class FastCheckpoint:
                 return None
             found += share * info.nbytes
             weight += info.nbytes
+        return found / weight if weight else None
+
+    def _cached_share_of_files(self) -> float | None:
+        found = weight = 0.0
+        for file in self.checkpoint.files.values():
+            size = os.fstat(file.fd).st_size
+            share = pagecache.cached_share(file.fd, 0, size, samples=64)
+            if share is None:
+                return None
+            found += share * size
+            weight += size
         return found / weight if weight else None
 
     @property

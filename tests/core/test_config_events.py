@@ -74,6 +74,7 @@ def test_byte_size_strings(text, value: int):
     ({"cpus": []}, "cpus"),
     ({"cpus": [-1]}, "cpus"),
     ({"cpus": [100000]}, "cpus"),
+    ({"early_reads": "sometimes"}, "early_reads"),
 ])
 def test_bad_values_name_the_field(values: dict, field: str):
     with pytest.raises(ConfigError) as info:
@@ -101,6 +102,14 @@ def test_from_env():
     assert c.check_file_changes is False
     assert c.on_layer_ready == ["a.b:c", "d:e"]
     assert FastloadConfig.from_env(env, threads=2).threads == 2      # overrides win
+
+
+def test_early_reads_take_a_mode_or_a_switch():
+    assert FastloadConfig.build({}).early_reads == "auto"
+    assert FastloadConfig.build({"early_reads": True}).early_reads == "always"
+    assert FastloadConfig.build({"early_reads": False}).early_reads == "never"
+    assert FastloadConfig.from_env({"FASTLOAD_EARLY_READS": "true"}).early_reads == "always"
+    assert FastloadConfig.from_env({"FASTLOAD_EARLY_READS": "never"}).early_reads == "never"
 
 
 def test_from_env_unknown_variable():

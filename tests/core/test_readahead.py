@@ -1,11 +1,16 @@
 """Early reads (``sources.readahead``): a file evicted from the page cache is in it afterwards,
 by either way in (mapping populated, or read through a buffer on kernels without
-``MADV_POPULATE_READ``), and nothing is read when the files do not fit the memory limit."""
+``MADV_POPULATE_READ``), it stays mapped until every expected load (each in its own process) has
+left its mark or the hold runs out, and nothing is read when the files do not fit the memory
+limit."""
 
 from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -40,7 +45,7 @@ def cold_file(tmp_path: Path) -> Path:
 @pytest.mark.parametrize("populate", [True, False], ids=["populate", "read-through"])
 def test_read_ahead_brings_the_file_into_the_page_cache(cold_file: Path, populate: bool, monkeypatch):
     if not populate:
-        monkeypatch.setattr(readahead, "_populate", lambda fd, offset, length: False)
+        monkeypatch.setattr(readahead, "_populate", lambda view, offset, length: False)
     thread = readahead.read_ahead([str(cold_file)], limit=SIZE)
     assert thread is not None and thread.daemon
     thread.join(timeout=60)
@@ -57,7 +62,8 @@ def test_files_larger_than_the_limit_are_left_alone(cold_file: Path, caplog):
 
 def test_a_file_that_cannot_be_read_is_skipped(cold_file: Path, tmp_path: Path):
     """No exception (the loader reports a missing file at load time), and the next file is read."""
-    readahead._read_in([str(tmp_path / "gone.safetensors"), str(cold_file)])
+    held, read, stopped = readahead._read_in([str(tmp_path / "gone.safetensors"), str(cold_file)])
+    assert (held, read, stopped) == ([], SIZE, False)
     assert _cached_share(cold_file) == 1.0
 
 
@@ -115,3 +121,116 @@ def test_a_tensor_with_reclaimed_pages_is_read_exactly(tmp_path: Path, monkeypat
     assert any(holes)
     for name, t in want.items():
         assert torch.equal(dests[name], t), name
+
+
+def _mapped(path: Path) -> bool:
+    with open("/proc/self/maps") as f:
+        return any(line.rstrip().endswith(str(path)) for line in f)
+
+
+def _mark_from_another_process(directory: str) -> None:
+    code = f"from vllm_fastload.sources.readahead import mark_load; mark_load({directory!r}, ended=True)"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def _wait(condition, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_the_files_stay_mapped_until_every_load_has_left_its_mark(cold_file: Path, caplog):
+    """Mapped page cache is what a host's proactive reclaim (DAMON ``pageout`` of unmapped page
+    cache) leaves alone: the reading thread holds the mapping while the loads are still to come."""
+    marks = readahead.LoadMarks(2)
+    with caplog.at_level(logging.INFO, logger="vllm_fastload"):
+        thread = readahead.read_ahead([str(cold_file)], limit=SIZE, hold=marks, hold_s=120)
+        assert thread is not None
+        assert _wait(lambda: "files in the page cache" in caplog.text)
+        assert _cached_share(cold_file) == 1.0
+        _mark_from_another_process(marks.directory)
+        time.sleep(4 * readahead.POLL_S)
+        assert thread.is_alive() and _mapped(cold_file), "released after one of two loads"
+        _mark_from_another_process(marks.directory)
+        thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert not _mapped(cold_file)
+    assert not os.path.exists(marks.directory)
+    assert "2 of 2 loads done" in caplog.text
+
+
+def test_the_hold_ends_at_its_deadline_without_marks(cold_file: Path, caplog):
+    marks = readahead.LoadMarks(1)
+    with caplog.at_level(logging.INFO, logger="vllm_fastload"):
+        thread = readahead.read_ahead([str(cold_file)], limit=SIZE, hold=marks, hold_s=0.5)
+        assert thread is not None
+        thread.join(timeout=60)
+    assert not thread.is_alive() and not _mapped(cold_file)
+    assert not os.path.exists(marks.directory)
+    assert "0 of 1 loads done" in caplog.text
+    readahead.mark_load(marks.directory, ended=True)  # a load ending after the deadline: no error
+
+
+def test_nothing_is_held_when_the_files_do_not_fit(cold_file: Path):
+    marks = readahead.LoadMarks(1)
+    assert readahead.read_ahead([str(cold_file)], limit=SIZE - 1, hold=marks, hold_s=60) is None
+    assert not _mapped(cold_file)
+    marks.remove()
+
+
+def test_reads_stop_when_a_load_begins(tmp_path: Path, caplog):
+    """A load that begins before the early reads are done reads the rest itself: the early reads
+    stop at the next chunk and hold what they read."""
+    files = []
+    for i in range(3):
+        path = tmp_path / f"shard{i}.safetensors"
+        path.write_bytes(os.urandom(readahead.CHUNK + 4096))
+        files.append(str(path))
+    os.sync()
+    evict(files)
+    marks = readahead.LoadMarks(1)
+    asked = []
+
+    def stop() -> bool:  # the load begins once the first chunk of the first file is read
+        asked.append(True)
+        if len(asked) == 2:
+            readahead.mark_load(marks.directory, ended=False)
+        return marks.started()
+
+    held, read, stopped = readahead._read_in(files, hold=True, stop=stop)
+    try:
+        assert stopped and read == readahead.CHUNK
+        assert len(held) == 1
+        assert _cached_share(Path(files[0])) >= 0.9
+        assert all(_cached_share(Path(f)) < 0.5 for f in files[1:])
+    finally:
+        for view in held:
+            view.close()
+        marks.remove()
+
+
+def test_the_checkpoint_share_in_the_page_cache_is_what_the_rank_line_reports(tmp_path: Path):
+    """``FastCheckpoint.cached_share()`` (no names): the share of all the files' bytes in the page
+    cache, which the vLLM rank logs as its load begins: low after an eviction, half once one of
+    two equal files is read early, all once both are."""
+    import torch
+    from safetensors.torch import save_file
+
+    import vllm_fastload
+
+    paths = [tmp_path / f"model-{i}.safetensors" for i in range(2)]
+    for i, path in enumerate(paths):
+        save_file({f"w{i}": torch.randn(1024, 1024)}, str(path))
+    os.sync()
+    evict([str(p) for p in paths])
+    with vllm_fastload.open(str(tmp_path), config={"progress": False}) as ckpt:
+        if ckpt.cached_share() is None:
+            pytest.skip("mincore cannot be asked truthfully here")
+        assert ckpt.cached_share() < 0.1
+        readahead._read_in([str(paths[0])])
+        assert ckpt.cached_share() == pytest.approx(0.5, abs=0.05)
+        readahead._read_in([str(paths[1])])
+        assert ckpt.cached_share() == 1.0

@@ -117,20 +117,27 @@ def test_network_defaults_apply_only_to_unset_fields(mounted: Path, local_checkp
             assert field not in ckpt.config.model_fields_set
 
 
-def test_early_reads_read_every_file_only_when_asked_for(mounted: Path, local_checkpoint: Path,
-                                                       monkeypatch) -> None:
+def test_early_reads_on_local_disks_by_default_and_on_network_filesystems_when_asked(
+        mounted: Path, local_checkpoint: Path, monkeypatch) -> None:
     """What the vLLM plugin reads while vLLM starts (``early.files_to_read``), decided on a real
-    sshfs mount and on the local disk it serves: opt-in on both."""
+    sshfs mount and on the local disk it serves: by default ('auto') the local disk only,
+    'always' (or true) both, 'never' (or false) neither."""
     from vllm_fastload.vllm_plugin.early import files_to_read
 
     served = sorted(p.name for p in local_checkpoint.glob("*.safetensors"))
     assert len(served) == 2
+
+    def names(where: Path, extra: dict) -> list[str]:
+        return [Path(f).name for f in files_to_read(str(where), extra)]
+
+    assert names(local_checkpoint, {}) == served
+    assert names(mounted, {}) == []
     for where in (mounted, local_checkpoint):
-        assert files_to_read(str(where), {}) == []
-        assert [Path(f).name for f in files_to_read(str(where), {"early_reads": True})] == served
+        assert names(where, {"early_reads": "always"}) == names(where, {"early_reads": True}) == served
+        assert names(where, {"early_reads": "never"}) == names(where, {"early_reads": False}) == []
     monkeypatch.setenv("FASTLOAD_EARLY_READS", "true")
-    assert [Path(f).name for f in files_to_read(str(mounted), {})] == served
-    assert files_to_read(str(mounted), {"early_reads": False}) == []  # the extra config wins
+    assert names(mounted, {}) == served
+    assert names(mounted, {"early_reads": "auto"}) == []  # the extra config wins
     assert files_to_read(str(mounted / "no-such-dir"), {}) == []
     assert files_to_read("s3://bucket/model", {}) == []
 

@@ -46,31 +46,25 @@ def test_fastload_equals_default_loader(arch, tp, checkpoints, scenarios, tmp_pa
     exchanged = tp == 2 and arch in ("llama-gqa", "mixtral")
     if exchanged:
         extra = {"row_exchange": "always"}
-    # With the defaults the ranks share row reads when the checkpoint is not in the page cache:
-    # this start finds it evicted (the other starts find it as the host left it, so either way).
+    # With the defaults the ranks share row reads when the checkpoint is not in the page cache as
+    # the load begins: this start finds it evicted, and without early reads it stays so (the other
+    # starts find it as the host left it, so either way).
     cold = tp == 2 and arch == "qwen2"
     if cold:
-        evict(sorted(str(p) for p in checkpoints[arch].glob("*.safetensors")))
+        extra = {"early_reads": "never"}
     with_events = arch == "llama-gqa" and tp == 2
     if with_events:
         # The same run also proves user callbacks named by string fire on every rank, and only
         # once a layer's exchanged columns have arrived (the digests below are taken after).
-        extra = {**extra, "on_layer_ready": "hooks:record_layer", "early_reads": True}
+        extra = {**extra, "on_layer_ready": "hooks:record_layer"}
         env = {"FASTLOAD_TEST_EVENTS": str(tmp_path / "events")}
+    if cold or with_events:  # with_events: early reads (on by default) read it all again before the load
+        evict(sorted(str(p) for p in checkpoints[arch].glob("*.safetensors")))
     fast = scenarios.get(arch, checkpoints[arch], "fastload", tp, extra=extra, env=env)
     ref = scenarios.get(arch, checkpoints[arch], "safetensors", tp)
     assert_ok(fast)
     assert_ok(ref)
-    # Early reads (opt-in) started in the process that built vLLM's config in the run that asked
-    # for them, and only there; the weights are exact either way.
-    if with_events:
-        assert re.search(r"fastload: early reads: \d+ checkpoint files", fast["log"]), fast["log"][-3000:]
-        # The core's own line (its logger is not vLLM's) reaches vLLM's log too, although vLLM
-        # sets its logging up after loading the plugin.
-        assert re.search(r"fastload: early reads: \d+ files in the page cache after", fast["log"]), \
-            fast["log"][-3000:]
-    else:
-        assert "fastload: early reads" not in fast["log"]
+    assert_early_reads(fast["log"], tp, expected=not cold, evicted=with_events)
     assert "fastload: early reads" not in ref["log"]
 
     # Every parameter (and buffer) on every rank is bit-identical to the default loader's.
@@ -109,6 +103,28 @@ def test_fastload_equals_default_loader(arch, tp, checkpoints, scenarios, tmp_pa
             assert [e["layers_done"] for e in events] == [1, 2, 3, 4]
             assert all(e["layers_total"] == 4 and e["tensors"] > 0 and e["bytes"] > 0 for e in events)
             assert [e["elapsed_s"] for e in events] == sorted(e["elapsed_s"] for e in events)
+
+
+def assert_early_reads(log: str, tp: int, *, expected: bool, evicted: bool) -> None:
+    """Early reads (on by default on a local disk) ran in the process that built vLLM's config, and
+    only there; the files stayed mapped until every rank's load had ended. Where the checkpoint was
+    evicted before the start and the early reads were done before the loads began, every rank found
+    all of it in the page cache."""
+    if not expected:
+        assert "fastload: early reads" not in log
+        return
+    assert len(re.findall(r"fastload: early reads: \d+ checkpoint files", log)) == 1, log[-3000:]
+    # The core's own lines (its logger is not vLLM's) reach vLLM's log too, although vLLM sets
+    # its logging up after loading the plugin.
+    done = re.search(r"fastload: early reads: \d+ files in the page cache after", log)
+    assert done or "fastload: early reads: stopped after" in log, log[-3000:]
+    assert re.search(rf"fastload: early reads: files unmapped after [\d.]+ s, {tp} of {tp} loads done", log), \
+        log[-3000:]
+    cached = {int(rank): int(share) for rank, share in
+              re.findall(r"fastload rank (\d+)/\d+: .*?; (\d+)% of it in the page cache as the load began", log)}
+    assert sorted(cached) == list(range(tp)), log[-3000:]
+    if evicted and done:  # every chunk was read before a load began (a load stops the reads)
+        assert set(cached.values()) == {100}, cached
 
 
 def assert_reader_cpus(log: str, tp: int) -> None:

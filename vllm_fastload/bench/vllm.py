@@ -42,17 +42,21 @@ from vllm_fastload.tp_rules import rank_requests
 LOADERS: dict[str, tuple[str, dict | None]] = {
     "fastload": ("fastload", None),
     "fastload-buffered": ("fastload", {"direct_io": "never"}),
-    # Each rank reads its own columns of row-parallel weights (what fastload did before the row exchange).
-    "fastload-no-exchange": ("fastload", {"row_exchange": "never"}),
-    # The row exchange on every source (by default: object stores and cold local disks).
-    "fastload-exchange": ("fastload", {"row_exchange": "always"}),
+    # Each rank reads its own columns of row-parallel weights, or shares the reads of whole rows
+    # (by default: object stores, and local disks that are cold as the load begins); both without
+    # early reads, so that a cold start is still cold when the load begins.
+    "fastload-no-exchange": ("fastload", {"row_exchange": "never", "early_reads": "never"}),
+    "fastload-exchange": ("fastload", {"row_exchange": "always", "early_reads": "never"}),
     # The path through the model's load_weights (whole tensors from iter_tensors), which fastload
     # takes where its probe cannot describe a model's loading.
     "fastload-whole": ("fastload", {"plan_per_rank": False}),
-    # vLLM's post-processing per decoder layer during the read (opt-in).
-    "fastload-post-per-layer": ("fastload", {"post_per_layer": True}),
-    # The checkpoint read into the page cache from the moment vLLM has its config (opt-in).
-    "fastload-early": ("fastload", {"early_reads": True}),
+    # vLLM's post-processing per decoder layer during the read (opt-in); without early reads, so that
+    # a cold load reads while it post-processes (compare with fastload-no-early).
+    "fastload-post-per-layer": ("fastload", {"post_per_layer": True, "early_reads": "never"}),
+    # Early reads (the checkpoint read into the page cache from the moment vLLM has its config):
+    # on every filesystem, and never.
+    "fastload-early": ("fastload", {"early_reads": "always"}),
+    "fastload-no-early": ("fastload", {"early_reads": "never"}),
     "safetensors": ("safetensors", None),
     "safetensors-mt": ("safetensors", {"enable_multithread_load": True, "num_threads": 8}),
     "safetensors-prefetch": ("safetensors", None),

@@ -64,7 +64,9 @@ def _timed(cls, out_dir: Path):
                   "rss_before_kb": rss_before, "hwm_after_kb": status_kb("VmHWM"),
                   "cpus": len(os.sched_getaffinity(0)),
                   # fastload's own split of the time (probe, plan, read, post, ...), as in its log line
-                  "phases": (getattr(self, "report", None) or {}).get("phases")}
+                  "phases": (getattr(self, "report", None) or {}).get("phases"),
+                  # the share of the checkpoint in the page cache as fastload's load began
+                  "cached": (getattr(self, "report", None) or {}).get("cached")}
         (out_dir / f"rank{rank}-{os.getpid()}-{next(_loads)}.json").write_text(json.dumps(record))
         return result
 

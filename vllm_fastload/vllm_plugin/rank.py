@@ -61,6 +61,9 @@ class RankReport:
     #: Seconds of the load's parts: "probe" (learning the writes), "plan", "check" (the plan's
     #: checks), "read" (reading into the parameters, replays included), "replay" (of which replays).
     phases: dict[str, float]
+    #: The share of the checkpoint in the page cache as the load began (early reads, or a warm
+    #: cache); None where it cannot be told (object stores).
+    cached: float | None = None
 
     def line(self) -> str:
         """The rank's log line."""
@@ -68,10 +71,11 @@ class RankReport:
         kept = (f", {self.bytes_read / self.bytes_kept:.3f}x the {self.bytes_kept / 1e6:.1f} MB it keeps"
                 if self.bytes_kept else "")
         phases = ", ".join(f"{k} {v:.3f}" for k, v in self.phases.items())
+        cached = f"; {self.cached:.0%} of it in the page cache as the load began" if self.cached is not None else ""
         return (f"fastload rank {self.rank}/{self.world}: read {self.bytes_read / 1e6:.1f} MB of "
                 f"{self.bytes_total / 1e6:.1f} MB checkpoint ({share:.3f}{kept}) with backend {self.backend} in "
                 f"{self.seconds:.2f} s ({self.bytes_read / max(self.seconds, 1e-9) / 1e9:.2f} GB/s; seconds: "
-                f"{phases}); {self.summary}")
+                f"{phases}{cached}); {self.summary}")
 
 
 class ParameterListener(Protocol):
@@ -112,6 +116,7 @@ def _load(model: nn.Module, path: str | list[str], config: FastloadConfig, devic
     whole = whole_reads_config(config, world)
     open_kw = {"device": device, "show_progress": show_progress}
     with vllm_fastload.FastCheckpoint(path, config=config if config.plan_per_rank else whole, **open_kw) as ckpt:
+        cached = ckpt.cached_share()
         infos = {name: ckpt.info(name) for name in ckpt.keys()}
         sharing.decide(config, ckpt, infos)
         tensors = {name: (shape_of(info), dtype_of(info)) for name, info in infos.items()}
@@ -157,7 +162,7 @@ def _load(model: nn.Module, path: str | list[str], config: FastloadConfig, devic
                       bytes_read=stats.bytes_read if stats else 0, bytes_kept=kept,
                       bytes_total=ckpt.checkpoint.total_bytes, backend=backend,
                       seconds=time.perf_counter() - start, summary=summary, paths=paths,
-                      phases=phases)
+                      phases=phases, cached=cached)
 
 
 def _load_planned(ckpt: vllm_fastload.FastCheckpoint, reads: RankReads, sharing: _Sharing,
