@@ -110,6 +110,11 @@ def test_early_reads_take_a_mode_or_a_switch():
     assert FastloadConfig.build({"early_reads": False}).early_reads == "never"
     assert FastloadConfig.from_env({"FASTLOAD_EARLY_READS": "true"}).early_reads == "always"
     assert FastloadConfig.from_env({"FASTLOAD_EARLY_READS": "never"}).early_reads == "never"
+    # any spelling of a switch means on or off
+    for on in (1, "1", "yes", "on", "True"):
+        assert FastloadConfig.build({"early_reads": on}).early_reads == "always", on
+    for off in (0, "0", "no", "off", "False"):
+        assert FastloadConfig.build({"early_reads": off}).early_reads == "never", off
 
 
 def test_from_env_unknown_variable():

@@ -116,9 +116,9 @@ def assert_early_reads(log: str, tp: int, *, expected: bool, evicted: bool) -> N
     assert len(re.findall(r"fastload: early reads: \d+ checkpoint files", log)) == 1, log[-3000:]
     # The core's own lines (its logger is not vLLM's) reach vLLM's log too, although vLLM sets
     # its logging up after loading the plugin.
-    done = re.search(r"fastload: early reads: \d+ files in the page cache after", log)
+    done = re.search(r"fastload: early reads: (\d+) of \1 files in the page cache after", log)
     assert done or "fastload: early reads: stopped after" in log, log[-3000:]
-    assert re.search(rf"fastload: early reads: files unmapped after [\d.]+ s, {tp} of {tp} loads done", log), \
+    assert re.search(rf"fastload: early reads: files released after [\d.]+ s, {tp} of {tp} loads done \(every", log), \
         log[-3000:]
     cached = {int(rank): int(share) for rank, share in
               re.findall(r"fastload rank (\d+)/\d+: .*?; (\d+)% of it in the page cache as the load began", log)}

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from typing import Any, Literal, get_origin
 
-from pydantic import BaseModel, ByteSize, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ByteSize, Field, TypeAdapter, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
@@ -135,8 +135,8 @@ class FastloadConfig(BaseSettings):
         "long before the workers ask for weights), read a local checkpoint into the page cache in the background, "
         "on idle CPU time, if it fits in half of the memory available then, and keep it mapped until the ranks "
         "have loaded; load_weights then finds it there. 'auto': on local filesystems; 'always': also on network "
-        "filesystems (where the client's own CPU work competes with vLLM's start-up); 'never'. true and false "
-        "mean 'always' and 'never'.")
+        "filesystems and FUSE mounts (where the client's own CPU work competes with vLLM's start-up); 'never'. "
+        "A switch (true, false, 1, 0, ...) means 'always' or 'never'.")
     hugepages: bool = Field(False, description="Ask for transparent huge pages on the host backend's "
                             "pooled read buffers (never on an engine's parameters). Off by default: on VMs "
                             "whose balloon hands free memory back to the host in 2 MiB blocks, every huge page "
@@ -167,7 +167,13 @@ class FastloadConfig(BaseSettings):
     @field_validator("early_reads", mode="before")
     @classmethod
     def _switch(cls, value: Any) -> Any:
-        return {True: "always", False: "never"}.get(value, value) if isinstance(value, bool) else value
+        """A switch (true, 1, "yes", "off", ... as pydantic reads a bool) means 'always' or 'never'."""
+        if isinstance(value, str) and value.strip().lower() in ("auto", "always", "never"):
+            return value.strip().lower()
+        try:
+            return "always" if TypeAdapter(bool).validate_python(value) else "never"
+        except ValidationError:
+            return value  # the Literal check names the field and the values it takes
 
     @field_validator("cpus")
     @classmethod

@@ -16,6 +16,7 @@ failure here is logged, never raised.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 from typing import Any
@@ -53,13 +54,21 @@ def _start(vllm_config: Any) -> None:
     files = files_to_read(path, extra)
     if not files:
         return
+    ranks = _local_ranks(vllm_config)
+    if not ranks:
+        return  # no rank loads on this node (an API server without engines of its own)
     os.environ[STARTED_ENV] = path
-    marks = LoadMarks(_local_ranks(vllm_config))
+    marks = LoadMarks(ranks)
+    atexit.register(marks.remove)  # the reading thread is a daemon: it may not get to remove them
     os.environ[MARKS_ENV] = marks.directory
-    if read_ahead(files, limit=int(available_memory() * MEMORY_SHARE), hold=marks, hold_s=HOLD_S) is None:
-        marks.remove()
-        os.environ.pop(MARKS_ENV, None)
-    else:
+    thread = None
+    try:
+        thread = read_ahead(files, limit=int(available_memory() * MEMORY_SHARE), hold=marks, hold_s=HOLD_S)
+    finally:
+        if thread is None:
+            marks.remove()
+            os.environ.pop(MARKS_ENV, None)
+    if thread is not None:
         logger.info("fastload: early reads: %d checkpoint files (%.2f GB) into the page cache while vLLM starts",
                     len(files), sum(os.path.getsize(f) for f in files) / 1e9)
 
@@ -80,9 +89,17 @@ def files_to_read(path: str, extra: dict[str, Any]) -> list[str]:
     ckpt = Checkpoint.discover(path)
     files = sorted(ckpt.files)
     ckpt.close()
-    if mode == "auto" and any(fstype.is_network(fstype.filesystem_type(f)) for f in files):
+    if mode == "auto" and not all(_local(fstype.filesystem_type(f)) for f in files):
         return []
     return files
+
+
+def _local(filesystem: str) -> bool:
+    """Whether ``auto`` reads early on this filesystem type: not on network filesystems, nor on
+    FUSE mounts (most of them fetch from a network or an object store)."""
+    from vllm_fastload.sources import fstype
+
+    return not fstype.is_network(filesystem) and not filesystem.startswith("fuse")
 
 
 def load_begins() -> None:
@@ -106,7 +123,11 @@ def _mark(*, ended: bool) -> None:
 
 
 def _local_ranks(vllm_config: Any) -> int:
-    """How many ranks load on this node: each leaves a mark."""
+    """How many ranks load on this node (each leaves its marks): the node's share of the
+    tensor- and pipeline-parallel group, for each data-parallel engine the node runs."""
     parallel = vllm_config.parallel_config
-    ranks = getattr(parallel, "local_world_size", None) or parallel.world_size
-    return int(ranks) * max(int(getattr(parallel, "data_parallel_size_local", 1) or 1), 1)
+    ranks = getattr(parallel, "local_world_size", None)
+    if ranks is None:  # vLLM before 0.32
+        ranks = max(int(parallel.world_size) // max(int(getattr(parallel, "nnodes", 1) or 1), 1), 1)
+    engines = getattr(parallel, "data_parallel_size_local", 1)
+    return int(ranks) * int(1 if engines is None else engines)
