@@ -105,3 +105,41 @@ def test_cpus_bound_by_the_user(monkeypatch):
     for setting, want in [("0-3|4,6", {0, 1, 2, 3, 4, 6}), ("auto", set()), ("nobind", set()), ("", set())]:
         monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", setting)
         assert cpus._bound_by_user() == want
+
+
+_EARLY_READS = """
+import json, os, socket, sys, threading
+import torch.distributed as dist
+from vllm.plugins import load_general_plugins
+from vllm_fastload.tools.verify import engine_config
+if __name__ == "__main__":
+    if sys.argv[2] == "rank":  # as vllm-fastload verify's rank processes: in a group before any config
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    load_general_plugins()
+    engine_config(sys.argv[1], 2, "fastload", {"progress": False})
+    reading = [t.name for t in threading.enumerate() if t.name == "fastload-early-reads"]
+    print("early reads:", json.dumps([bool(reading), os.environ.get("_FASTLOAD_EARLY_READS_MARKS") is not None]))
+"""
+
+
+@pytest.mark.parametrize("process", ["front-end", "rank"])
+def test_early_reads_start_where_vllm_builds_its_config_not_in_a_rank(tmp_path, process):
+    """A config that loads with fastload starts early reads in the process that built it (vLLM's
+    front end, ``LLM(...)``), not in a process that already is a rank of a group: there the load is
+    next (``vllm-fastload verify`` builds a config per checkpoint in its ranks; reading there left a
+    thread holding the files for minutes per checkpoint, waiting for marks no other rank leaves)."""
+    from vllm_fastload.tools.checkpoints import write_checkpoint
+    from vllm_fastload.tools.demo import DEMO_SPEC
+
+    path = write_checkpoint(tmp_path / "demo", DEMO_SPEC, files=2)
+    script = tmp_path / "config.py"
+    script.write_text(_EARLY_READS)
+    out = subprocess.run([sys.executable, str(script), str(path), process], capture_output=True, text=True,
+                         timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    expected = process == "front-end"
+    line = next(line for line in out.stdout.splitlines() if line.startswith("early reads:"))
+    assert json.loads(line.partition(":")[2]) == [expected, expected], out.stdout[-3000:] + out.stderr[-3000:]

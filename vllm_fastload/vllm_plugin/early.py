@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import sys
 from typing import Any
 
 logger = logging.getLogger("vllm.fastload")
@@ -48,7 +49,7 @@ def _start(vllm_config: Any) -> None:
 
     model_config = vllm_config.model_config
     path = getattr(model_config, "model_weights", "") or model_config.model
-    if os.environ.get(STARTED_ENV) == path:
+    if os.environ.get(STARTED_ENV) == path or _is_rank():
         return
     extra = getattr(vllm_config.load_config, "model_loader_extra_config", None) or {}
     files = files_to_read(path, extra)
@@ -120,6 +121,15 @@ def _mark(*, ended: bool) -> None:
         from vllm_fastload.sources.readahead import mark_load
 
         mark_load(directory, ended=ended)
+
+
+def _is_rank() -> bool:
+    """Whether this process already is a rank of a distributed group (``vllm-fastload verify``'s
+    rank processes build each config right before loading it): its load is next, there is no
+    start-up to overlap with, and no other process would leave the marks the hold waits for."""
+    torch = sys.modules.get("torch")
+    distributed = getattr(torch, "distributed", None)
+    return bool(distributed is not None and distributed.is_available() and distributed.is_initialized())
 
 
 def _local_ranks(vllm_config: Any) -> int:
