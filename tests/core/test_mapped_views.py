@@ -76,9 +76,9 @@ def test_tensors_are_read_where_the_file_is_not_mapped(ckpt, monkeypatch, why):
     elif why == "network filesystem":
         monkeypatch.setattr(mapped, "_local", lambda path: False)
     elif why == "mmap fails":
-        real = mapped.libc_keeping_gil()
+        real = mapped.keeping_gil()
         refusing = types.SimpleNamespace(mmap=lambda *args: mapped.MAP_FAILED, munmap=real.munmap)
-        monkeypatch.setattr(mapped, "libc_keeping_gil", lambda: refusing)
+        monkeypatch.setattr(mapped, "keeping_gil", lambda: refusing)
     else:
         config = {"map_cached": False}
     submitted = _spy_reads(monkeypatch)

@@ -255,7 +255,7 @@ def test_prefault_fills_fresh_tensors_in_the_background_without_changing_a_byte(
     if not memory._supported:
         pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14): nothing to fault in")
     assert prefault.faulted == 2                      # the two fresh ones; fresh[1] was resident
-    libc = memory.load_libc()
+    libc = memory._c.releasing_gil()
     for t in fresh:
         assert memory._resident(libc, t.data_ptr()) and memory._resident(libc, t.data_ptr() + size - memory.PAGE)
     assert int(fresh[0].sum()) == 0 and int(fresh[2].sum()) == 0 and bool((fresh[1] == 9).all())

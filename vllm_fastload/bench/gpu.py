@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import ctypes.util
 import json
 import mmap
 import os
@@ -48,6 +47,7 @@ import vllm_fastload
 from vllm_fastload.bench.core import status_kb
 from vllm_fastload.bench.machine import evict
 from vllm_fastload.config import FastloadConfig, usable_cpus
+from vllm_fastload.libc import releasing_gil
 from vllm_fastload.tensors import dtype_of, shape_of
 from vllm_fastload.tools.checkpoints import LLAMA3_8B, ModelSpec, write_random_checkpoint
 from vllm_fastload.tp_rules import rank_requests
@@ -66,17 +66,6 @@ class BenchError(RuntimeError):
 
 # -- page cache and disk ------------------------------------------------------------------------
 
-_libc = None
-
-
-def _mincore():
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    return _libc.mincore
-
-
 def resident_fraction(paths: list[str]) -> float:
     """Fraction of the files' pages in the page cache (``mincore`` over a private mapping).
 
@@ -84,7 +73,7 @@ def resident_fraction(paths: list[str]) -> float:
     ``posix_fadvise(DONTNEED)`` will drop, this says so instead of reporting warm numbers as cold.
     """
     resident = pages = 0
-    mincore = _mincore()
+    mincore = releasing_gil().mincore
     for path in paths:
         size = os.path.getsize(path)
         if size == 0:

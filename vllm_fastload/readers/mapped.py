@@ -31,8 +31,8 @@ import weakref
 import numpy as np
 import torch
 
+from vllm_fastload.libc import MAP_FAILED, keeping_gil
 from vllm_fastload.plan import Rows
-from vllm_fastload.readers.pagecache import MAP_FAILED, libc_keeping_gil
 from vllm_fastload.sources.fstype import filesystem_type, is_network
 
 
@@ -100,7 +100,7 @@ def file_window(fd: int, path: str, start: int, end: int) -> tuple[torch.Tensor,
     in them. It is made through libc, not Python's ``mmap``, which keeps a duplicate of the file
     descriptor open per mapping (a caller keeping 2000 chunks' tensors would run out of them).
     """
-    libc = libc_keeping_gil()
+    libc = keeping_gil()
     if libc is None or not _local(path) or end <= start:
         return None
     first = start - start % mmap.ALLOCATIONGRANULARITY

@@ -11,7 +11,6 @@ buffer) is left alone, since walking it again costs ~0.05 s per GB for nothing.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import mmap
 import threading
@@ -20,6 +19,7 @@ from types import TracebackType
 
 import torch
 
+from vllm_fastload import libc as _c
 from vllm_fastload.readers.threads import run_on
 
 PAGE = mmap.PAGESIZE
@@ -27,21 +27,8 @@ MADV_POPULATE_WRITE = 23
 #: Smaller ranges are not worth two system calls.
 MIN_BYTES = 256 << 10
 
-_libc = None
+#: False once the kernel refused MADV_POPULATE_WRITE (older than 5.14): not asked again.
 _supported = True
-
-
-def load_libc():
-    global _libc, _supported
-    if _libc is None:
-        try:
-            lib = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-            lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            lib.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-            _libc = lib
-        except (OSError, AttributeError):
-            _supported = False
-    return _libc
 
 
 def populate(address: int, nbytes: int) -> bool:
@@ -53,7 +40,7 @@ def populate(address: int, nbytes: int) -> bool:
     hi = (address + nbytes) // PAGE * PAGE
     if not _supported or hi - lo < MIN_BYTES:
         return False
-    libc = load_libc()
+    libc = _c.releasing_gil()
     if libc is None:
         return False
     if _resident(libc, lo) and _resident(libc, hi - PAGE):

@@ -16,10 +16,9 @@ import mmap
 import os
 from collections.abc import Sequence
 
-from vllm_fastload.readers.memory import load_libc
+from vllm_fastload.libc import MAP_FAILED, keeping_gil
 
 PAGE = mmap.PAGESIZE
-MAP_FAILED = ctypes.c_void_p(-1).value
 _PROBE = bytearray(1)
 
 
@@ -60,7 +59,7 @@ def _mincore(fd: int, offsets: Sequence[int]) -> list[bool] | None:
     loading thread milliseconds per call."""
     if not offsets:
         return []
-    libc = libc_keeping_gil()
+    libc = keeping_gil()
     if libc is None:
         return None
     lo = min(offsets) - min(offsets) % PAGE
@@ -79,29 +78,6 @@ def _mincore(fd: int, offsets: Sequence[int]) -> list[bool] | None:
         return found
     finally:
         libc.munmap(address, length)
-
-
-_libc = None
-
-
-def libc_keeping_gil() -> ctypes.PyDLL | None:
-    """libc through ``ctypes.PyDLL``, whose calls do not release the GIL; None where unavailable."""
-    global _libc
-    if _libc is None:
-        _libc = False
-        plain = load_libc()  # the same library, found once
-        if plain is not None:
-            try:
-                lib = ctypes.PyDLL(plain._name)
-                lib.mmap.restype = ctypes.c_void_p
-                lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                                     ctypes.c_long]
-                lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-                lib.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-                _libc = lib
-            except (OSError, AttributeError):
-                pass
-    return _libc or None
 
 
 def _nowait(fd: int, offsets: Sequence[int]) -> bool:

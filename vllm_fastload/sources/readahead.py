@@ -31,6 +31,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from vllm_fastload.libc import MAP_FAILED, releasing_gil
+
 logger = logging.getLogger("vllm_fastload")
 
 
@@ -180,9 +182,11 @@ class _Mapping:
     engine core on GPUs), which would keep the files mapped for as long as it runs."""
 
     def __init__(self, fd: int, size: int) -> None:
-        libc = _libc()
+        libc = releasing_gil()
+        if libc is None:
+            raise OSError(errno.ENOSYS, "the C library cannot be loaded")
         address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        if address is None or address == ctypes.c_void_p(-1).value:
+        if address is None or address == MAP_FAILED:
             raise OSError(ctypes.get_errno(), "mmap failed")
         self.address: int | None = address
         self.size = size
@@ -198,7 +202,7 @@ class _Mapping:
         (0.5-2 GB/s instead of 6 GB/s on this project's VM); touched here, that cost is paid while
         vLLM starts instead of in the load. numpy's reduction releases the GIL too."""
         assert self.address is not None
-        if _libc().madvise(self.address + offset, length, MADV_POPULATE_READ) != 0:
+        if releasing_gil().madvise(self.address + offset, length, MADV_POPULATE_READ) != 0:
             err = ctypes.get_errno()
             if err == errno.EINVAL:
                 return False
@@ -209,24 +213,8 @@ class _Mapping:
 
     def close(self) -> None:
         if self.address is not None:
-            _libc().munmap(self.address, self.size)
+            releasing_gil().munmap(self.address, self.size)
             self.address = None
-
-
-_LIBC: ctypes.CDLL | None = None
-
-
-def _libc() -> ctypes.CDLL:
-    """The process's C library, its calls releasing the GIL."""
-    global _LIBC
-    if _LIBC is None:
-        lib = ctypes.CDLL(None, use_errno=True)
-        lib.mmap.restype = ctypes.c_void_p
-        lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-        lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        _LIBC = lib
-    return _LIBC
 
 
 def _read_through(fd: int, offset: int, length: int, buffer: bytearray) -> None:
