@@ -13,6 +13,7 @@ import torch
 
 from vllm_fastload import TensorRequest
 from vllm_fastload.errors import ReadError
+from vllm_fastload.libc import releasing_gil
 from vllm_fastload.plan import Rows
 from vllm_fastload.readers import base, host, mapped, memory
 
@@ -255,7 +256,7 @@ def test_prefault_fills_fresh_tensors_in_the_background_without_changing_a_byte(
     if not memory._supported:
         pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14): nothing to fault in")
     assert prefault.faulted == 2                      # the two fresh ones; fresh[1] was resident
-    libc = memory._c.releasing_gil()
+    libc = releasing_gil()
     for t in fresh:
         assert memory._resident(libc, t.data_ptr()) and memory._resident(libc, t.data_ptr() + size - memory.PAGE)
     assert int(fresh[0].sum()) == 0 and int(fresh[2].sum()) == 0 and bool((fresh[1] == 9).all())

@@ -19,7 +19,7 @@ from types import TracebackType
 
 import torch
 
-from vllm_fastload import libc as _c
+from vllm_fastload.libc import releasing_gil
 from vllm_fastload.readers.threads import run_on
 
 PAGE = mmap.PAGESIZE
@@ -40,7 +40,7 @@ def populate(address: int, nbytes: int) -> bool:
     hi = (address + nbytes) // PAGE * PAGE
     if not _supported or hi - lo < MIN_BYTES:
         return False
-    libc = _c.releasing_gil()
+    libc = releasing_gil()
     if libc is None:
         return False
     if _resident(libc, lo) and _resident(libc, hi - PAGE):
