@@ -57,6 +57,8 @@ LOADERS: dict[str, tuple[str, dict | None]] = {
     # on every filesystem, and never.
     "fastload-early": ("fastload", {"early_reads": "always"}),
     "fastload-no-early": ("fastload", {"early_reads": "never"}),
+    # The reader on one thread: copies and the destinations' faults in one thread, none ahead.
+    "fastload-one-thread": ("fastload", {"threads": 1}),
     "safetensors": ("safetensors", None),
     "safetensors-mt": ("safetensors", {"enable_multithread_load": True, "num_threads": 8}),
     "safetensors-prefetch": ("safetensors", None),
