@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -36,12 +38,34 @@ def run_scenario(out_dir: Path, name: str, model: Path, load_format: str, tp: in
     full_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
                 **(env or {})}
     with log.open("wb") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=full_env, timeout=timeout,
-                              start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _stop_hung(proc)
+            raise AssertionError(f"{name}: the start did not end within {timeout:.0f} s (a hang); the stacks of "
+                                 f"its threads end its log ({log}):\n{log.read_text(errors='replace')[-8000:]}"
+                                 ) from None
+        except BaseException:  # interrupted (pytest's own time limit): leave nothing running
+            proc.kill()
+            proc.wait()
+            raise
     result = json.loads(out.read_text()) if out.exists() else {"error": f"no result (exit {proc.returncode})"}
     result["log"] = log.read_text(errors="replace")
     result["returncode"] = proc.returncode
     return result
+
+
+def _stop_hung(proc: subprocess.Popen) -> None:
+    """Have the scenario write every thread's stack to its log (``scenario.py`` registers SIGUSR1
+    with ``faulthandler``), then end its whole process group."""
+    try:
+        os.kill(proc.pid, signal.SIGUSR1)
+        time.sleep(3)
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 class Scenarios:

@@ -8,10 +8,16 @@ Writes {"digests": [per-rank dict], "tokens": [...], "logprobs": [...]} or {"err
 (with the Ray executor also "workers": [per-rank identity] and "ray_temp_dir").
 """
 
+import faulthandler
 import json
 import os
+import signal
 import sys
 import traceback
+
+# The tests send SIGUSR1 to a start that ran past its time limit, to see where each thread of this
+# process stands (see ``conftest.run_scenario``); the stacks go to the log.
+faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # apply_model pickles a function
