@@ -190,6 +190,7 @@ class _Mapping:
             raise OSError(ctypes.get_errno(), "mmap failed")
         self.address: int | None = address
         self.size = size
+        self._libc = libc
         libc.madvise(address, size, MADV_DONTFORK)
 
     def populate(self, offset: int, length: int) -> bool:
@@ -202,7 +203,7 @@ class _Mapping:
         (0.5-2 GB/s instead of 6 GB/s on this project's VM); touched here, that cost is paid while
         vLLM starts instead of in the load. numpy's reduction releases the GIL too."""
         assert self.address is not None
-        if releasing_gil().madvise(self.address + offset, length, MADV_POPULATE_READ) != 0:
+        if self._libc.madvise(self.address + offset, length, MADV_POPULATE_READ) != 0:
             err = ctypes.get_errno()
             if err == errno.EINVAL:
                 return False
@@ -213,7 +214,7 @@ class _Mapping:
 
     def close(self) -> None:
         if self.address is not None:
-            releasing_gil().munmap(self.address, self.size)
+            self._libc.munmap(self.address, self.size)
             self.address = None
 
 
