@@ -1,8 +1,8 @@
 """Early reads (``sources.readahead``): a file evicted from the page cache is in it afterwards,
 by either way in (mapping populated, or read through a buffer on kernels without
-``MADV_POPULATE_READ``), it stays mapped until every expected load (each in its own process) has
-left its mark or the hold runs out, and nothing is read when the files do not fit the memory
-limit."""
+``MADV_POPULATE_READ``), it stays mapped in the reading process (its own, at idle priority) until
+every expected load (each in its own process) has left its mark, the hold runs out or the process
+that started it ends, and nothing is read when the files do not fit the memory limit."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -42,14 +43,17 @@ def cold_file(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("populate", [True, False], ids=["populate", "read-through"])
-def test_read_ahead_brings_the_file_into_the_page_cache(cold_file: Path, populate: bool, monkeypatch):
-    if not populate:
-        monkeypatch.setattr(readahead._Mapping, "populate", lambda self, offset, length: False)
-    thread = readahead.read_ahead([str(cold_file)], limit=SIZE)
-    assert thread is not None and thread.daemon
-    thread.join(timeout=60)
-    assert not thread.is_alive()
+def test_read_ahead_brings_the_file_into_the_page_cache(cold_file: Path):
+    reads = readahead.read_ahead([str(cold_file)], limit=SIZE)
+    assert reads is not None and reads.daemon
+    reads.join(timeout=60)
+    assert not reads.is_alive() and reads.process.returncode == 0
+    assert _cached_share(cold_file) == 1.0
+
+
+def test_a_kernel_that_cannot_populate_mappings_reads_through_a_buffer(cold_file: Path, monkeypatch):
+    monkeypatch.setattr(readahead._Mapping, "populate", lambda self, offset, length: False)
+    assert readahead._read_in([str(cold_file)], hold=True) == ([], SIZE, 1, False)
     assert _cached_share(cold_file) == 1.0
 
 
@@ -123,9 +127,12 @@ def test_a_tensor_with_reclaimed_pages_is_read_exactly(tmp_path: Path, monkeypat
         assert torch.equal(dests[name], t), name
 
 
-def _mapped(path: Path) -> bool:
-    with open("/proc/self/maps") as f:
-        return any(line.rstrip().endswith(str(path)) for line in f)
+def _mapped(path: Path, pid: int | str = "self") -> bool:
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return any(line.rstrip().endswith(str(path)) for line in f)
+    except (FileNotFoundError, ProcessLookupError):
+        return False
 
 
 def _mark_from_another_process(directory: str) -> None:
@@ -144,20 +151,20 @@ def _wait(condition, timeout: float = 30.0) -> bool:
 
 def test_the_files_stay_mapped_until_every_load_has_left_its_mark(cold_file: Path, caplog):
     """Mapped page cache is what a host's proactive reclaim (DAMON ``pageout`` of unmapped page
-    cache) leaves alone: the reading thread holds the mapping while the loads are still to come."""
+    cache) leaves alone: the reading process holds the mapping while the loads are still to come."""
     marks = readahead.LoadMarks(2)
     with caplog.at_level(logging.INFO, logger="vllm_fastload"):
-        thread = readahead.read_ahead([str(cold_file)], limit=SIZE, hold=marks, hold_s=120)
-        assert thread is not None
+        reads = readahead.read_ahead([str(cold_file)], limit=SIZE, hold=marks, hold_s=120)
+        assert reads is not None
         assert _wait(lambda: "files in the page cache" in caplog.text)
         assert _cached_share(cold_file) == 1.0
         _mark_from_another_process(marks.directory)
         time.sleep(4 * readahead.POLL_S)
-        assert thread.is_alive() and _mapped(cold_file), "released after one of two loads"
+        assert reads.is_alive() and _mapped(cold_file, reads.pid), "released after one of two loads"
         _mark_from_another_process(marks.directory)
-        thread.join(timeout=30)
-    assert not thread.is_alive()
-    assert not _mapped(cold_file)
+        reads.join(timeout=30)
+    assert not reads.is_alive() and reads.process.returncode == 0
+    assert not _mapped(cold_file, reads.pid)
     assert not os.path.exists(marks.directory)
     assert "2 of 2 loads done (every load it was read for has ended)" in caplog.text
 
@@ -169,40 +176,73 @@ def test_the_hold_ends_without_marks_at_its_deadline_or_when_memory_runs_low(col
         monkeypatch.setattr(readahead, "LOW_MEMORY", 1.0)  # whatever is available counts as low
     marks = readahead.LoadMarks(1)
     with caplog.at_level(logging.INFO, logger="vllm_fastload"):
-        thread = readahead.read_ahead([str(cold_file)], limit=SIZE, hold=marks,
-                                      hold_s=0.5 if cause == "deadline" else 120)
-        assert thread is not None
-        thread.join(timeout=60)
-    assert not thread.is_alive() and not _mapped(cold_file)
+        reads = readahead.read_ahead([str(cold_file)], limit=SIZE, hold=marks,
+                                     hold_s=0.5 if cause == "deadline" else 120)
+        assert reads is not None
+        reads.join(timeout=60)
+    assert not reads.is_alive() and reads.process.returncode == 0
     assert not os.path.exists(marks.directory)
     why = "not every load it was read for ended within 0 s" if cause == "deadline" else "memory ran low"
     assert f"0 of 1 loads done ({why})" in caplog.text
     readahead.mark_load(marks.directory, ended=True)  # a load ending after the release: no error
 
 
-def test_a_forked_child_does_not_inherit_the_held_files(cold_file: Path, caplog):
-    """vLLM on GPUs forks its engine core from the process that reads early: the child must not
-    keep the files mapped for as long as it runs."""
+def test_the_reads_run_in_a_process_of_their_own_on_idle_cpu_time(cold_file: Path, caplog):
+    """No thread of the process that starts vLLM runs at idle priority (one starved while holding
+    that process's GIL would stop every other thread with it, and the start with them), and none of
+    it maps the files (vLLM forks its engine core on GPUs: a child would inherit the mappings)."""
     marks = readahead.LoadMarks(1)
     with caplog.at_level(logging.INFO, logger="vllm_fastload"):
-        thread = readahead.read_ahead([str(cold_file)], limit=SIZE, hold=marks, hold_s=120)
-        assert thread is not None
+        reads = readahead.read_ahead([str(cold_file)], limit=SIZE, hold=marks, hold_s=120)
+        assert reads is not None
         assert _wait(lambda: "files in the page cache" in caplog.text)
-        assert _mapped(cold_file)
-        pid = os.fork()
-        if pid == 0:  # the child: exit at once, its status telling whether it has the mapping
-            os._exit(1 if _mapped(cold_file) else 0)
-        _, status = os.waitpid(pid, 0)
+        assert reads.pid != os.getpid() and _mapped(cold_file, reads.pid) and not _mapped(cold_file)
+        assert os.sched_getscheduler(reads.pid) == os.SCHED_IDLE
+        threads = [int(tid) for tid in os.listdir("/proc/self/task")]
+        assert all(os.sched_getscheduler(tid) != os.SCHED_IDLE for tid in threads)
         readahead.mark_load(marks.directory, ended=True)
-        thread.join(timeout=30)
-    assert os.waitstatus_to_exitcode(status) == 0, "the forked child inherited the mapping"
-    assert not thread.is_alive() and not _mapped(cold_file)
+        reads.join(timeout=30)
+    assert not reads.is_alive() and not _mapped(cold_file, reads.pid)
+
+
+_ORPHAN = """
+import sys
+from vllm_fastload.sources import readahead
+marks = readahead.LoadMarks(1)
+reads = readahead.read_ahead([sys.argv[1]], limit=1 << 40, hold=marks, hold_s=600)
+print(reads.pid, marks.directory, flush=True)
+sys.stdin.readline()  # ended by the test, marks never left
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_the_reading_process_ends_with_the_process_that_started_it(cold_file: Path, tmp_path: Path):
+    """A start killed before any rank loaded: nothing is left running, mapped or on disk."""
+    script = tmp_path / "starter.py"
+    script.write_text(_ORPHAN)
+    starter = subprocess.Popen([sys.executable, str(script), str(cold_file)], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        pid, directory = starter.stdout.readline().split()
+        assert _wait(lambda: _mapped(cold_file, pid))
+    finally:
+        starter.kill()
+        starter.wait(timeout=30)
+    assert _wait(lambda: not _running(int(pid)), timeout=10), "the reading process outlived its starter"
+    assert not os.path.exists(directory)
 
 
 def test_nothing_is_held_when_the_files_do_not_fit(cold_file: Path):
     marks = readahead.LoadMarks(1)
     assert readahead.read_ahead([str(cold_file)], limit=SIZE - 1, hold=marks, hold_s=60) is None
-    assert not _mapped(cold_file)
+    assert not any(t.name == "fastload-early-reads" for t in threading.enumerate())
     marks.remove()
 
 

@@ -1,15 +1,23 @@
 """Early reads: bring local checkpoint files into the page cache, in the background, while the
 engine is still starting, and keep them there until the loads that need them are done.
 
+The reads run in a process of their own (this file, run as a script: standard library only), at
+idle CPU priority (Linux ``SCHED_IDLE``): reading early must not slow the start-up it overlaps
+with, which on a machine with few cores is CPU-bound. A thread at idle priority in the starting
+process would share that process's GIL, and a starved thread holding the GIL stops every other
+thread with it: the process that starts vLLM would wait on the idle CPU time it gave away. The
+starting process keeps one thread that waits on the reading process's log lines (relayed to its
+logger) and its end.
+
 Each file is mapped and populated 16 MiB at a time (``madvise(MADV_POPULATE_READ)``: the kernel
 reads the pages in, nothing is copied into the process), and each page is touched once (see
 ``_Mapping``); ``posix_fadvise(WILLNEED)`` alone reads only a few percent of a large file. Reading
-runs on idle CPU time and stops as soon as a load begins (it reads the rest itself). The mappings
-stay until the loads have ended (``LoadMarks``; or ``hold_s`` runs out, or memory runs low),
+stops as soon as a load begins (it reads the rest itself). The mappings stay until the loads have
+ended (``LoadMarks``; or ``hold_s`` runs out, memory runs low, or the starting process ends),
 because hosts that reclaim idle page cache on their own (DAMON's ``pageout`` scheme on cloud VMs)
 take only pages that no process maps: read and dropped, a checkpoint was partly gone before the
 workers asked for it. Mapped pages are still page cache, which memory pressure can reclaim (after
-unmapped page cache); they show in this process's RSS while held. Where the kernel lacks
+unmapped page cache); they show in the reading process's RSS while held. Where the kernel lacks
 ``MADV_POPULATE_READ`` (before Linux 5.14) each chunk is read through one small reused buffer
 instead, and nothing is held. A file that cannot be read is skipped: the loader reads it at load
 time and reports what is wrong. The caller bounds it by memory: the files are read only if they
@@ -18,20 +26,20 @@ fit in a share of the memory available now (``available_memory``).
 
 from __future__ import annotations
 
-import ctypes
 import errno
+import json
 import logging
 import mmap
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-
-import numpy as np
-
-from vllm_fastload.libc import MAP_FAILED, releasing_gil
+from typing import Any
 
 logger = logging.getLogger("vllm_fastload")
 
@@ -48,87 +56,137 @@ def available_memory() -> int:
 
 
 def read_ahead(paths: Sequence[str], *, limit: int, hold: LoadMarks | None = None,
-               hold_s: float = 0.0) -> threading.Thread | None:
-    """Start reading ``paths`` into the page cache on a daemon thread, if together they fit in
-    ``limit`` bytes; None (and nothing done) otherwise.
+               hold_s: float = 0.0) -> EarlyReads | None:
+    """Start reading ``paths`` into the page cache in a process of its own, if together they fit
+    in ``limit`` bytes; None (and nothing done) otherwise.
 
-    With ``hold``, the thread stops reading when a load begins, and keeps the files mapped until
+    With ``hold``, the process stops reading when a load begins, and keeps the files mapped until
     every load it expects has ended (looked for every ``POLL_S``), ``hold_s`` seconds have passed
-    since the reads ended, or memory runs low; then it unmaps them, removes the marks and ends."""
+    since the reads ended, memory runs low, or this process ends; then it unmaps them, removes the
+    marks and ends."""
     total = sum(os.path.getsize(p) for p in paths)
     if total > limit:
         logger.info("fastload: no early reads: the checkpoint (%.2f GB) exceeds the share of available memory "
                     "early reads may fill (%.2f GB); it is read at load time", total / 1e9, limit / 1e9)
         return None
-    thread = threading.Thread(target=_advise, args=(list(paths), total, hold, hold_s), name="fastload-early-reads",
-                              daemon=True)
-    thread.start()
-    return thread
+    if not sys.executable:
+        logger.info("fastload: no early reads: no Python interpreter to run them in (sys.executable is empty)")
+        return None
+    request = {"paths": list(paths), "total": total, "hold_s": hold_s, "poll_s": POLL_S, "low_memory": LOW_MEMORY,
+               "marks": None if hold is None else [hold.directory, hold.expected]}
+    # -I -S: no site-packages, no environment, not even this file's directory on the path: a bare
+    # interpreter that starts in milliseconds and imports only the standard library.
+    process = subprocess.Popen([sys.executable, "-I", "-S", __file__, json.dumps(request)],
+                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, close_fds=True)
+    reads = EarlyReads(process, hold)
+    reads.start()
+    return reads
+
+
+class EarlyReads(threading.Thread):
+    """The reading process, seen from the process that started it: a daemon thread that logs what
+    the process reports (through this process's logger) and ends when the process has ended."""
+
+    def __init__(self, process: subprocess.Popen, hold: LoadMarks | None) -> None:
+        super().__init__(name="fastload-early-reads", daemon=True)
+        self.process = process
+        self._hold = hold
+
+    @property
+    def pid(self) -> int:
+        """The reading process's id."""
+        return self.process.pid
+
+    def run(self) -> None:
+        assert self.process.stdout is not None
+        with self.process.stdout:
+            for line in self.process.stdout:
+                try:
+                    message, args = json.loads(line)
+                    logger.info(message, *args)
+                except (ValueError, TypeError):
+                    continue
+        status = self.process.wait()
+        if status:
+            logger.info("fastload: early reads: the reading process ended with status %d", status)
+        if self._hold is not None:
+            self._hold.remove()
 
 
 #: Bytes populated at a time (between two looks for a load that has begun).
 CHUNK = 16 << 20
 MADV_POPULATE_READ = 22  # Linux 5.14
-MADV_DONTFORK = 10
 #: Seconds between two looks for the loads' marks.
 POLL_S = 0.2
 #: Held files are let go early when less than this share of the machine's memory is available.
 LOW_MEMORY = 0.1
 
 
-def _advise(paths: list[str], total: int, hold: LoadMarks | None, hold_s: float) -> None:
+def _serve(request: dict[str, Any]) -> None:
+    """The reading process: read, report, hold, report, end."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C ends the process that started it, then this one
     _run_when_idle()
+    parent = os.getppid()
     start = time.perf_counter()
+    paths, total = request["paths"], request["total"]
+    hold = None if request["marks"] is None else LoadMarks(request["marks"][1], directory=request["marks"][0])
     held: list[_Mapping] = []
     why = "every load it was read for has ended"
+
+    def orphaned() -> bool:
+        return os.getppid() != parent
+
     try:
-        held, read, files, stopped = _read_in(paths, hold=hold is not None, stop=hold.started if hold else None)
-        _run_normally()  # what is left (looking for marks) must not hold the GIL on a starved thread
+        stop = orphaned if hold is None else (lambda: orphaned() or hold.started())
+        held, read, files, stopped = _read_in(paths, hold=hold is not None, stop=stop)
         if stopped:
-            logger.info("fastload: early reads: stopped after %.2f s, when the load began; %.2f of %.2f GB "
-                        "read early", time.perf_counter() - start, read / 1e9, total / 1e9)
+            _report("fastload: early reads: stopped after %.2f s, when the load began; %.2f of %.2f GB read early",
+                    time.perf_counter() - start, read / 1e9, total / 1e9)
         else:
-            logger.info("fastload: early reads: %d of %d files in the page cache after %.2f s", files, len(paths),
-                        time.perf_counter() - start)
-        deadline = time.monotonic() + hold_s
+            _report("fastload: early reads: %d of %d files in the page cache after %.2f s", files, len(paths),
+                    time.perf_counter() - start)
+        deadline = time.monotonic() + request["hold_s"]
         while held and not hold.all_done():
             if time.monotonic() >= deadline:
-                why = f"not every load it was read for ended within {hold_s:.0f} s"
+                why = f"not every load it was read for ended within {request['hold_s']:.0f} s"
                 break
-            if _memory_low():
+            if _memory_low(request["low_memory"]):
                 why = "memory ran low"
                 break
-            time.sleep(POLL_S)
+            if orphaned():
+                why = "the process that started it ended"
+                break
+            time.sleep(request["poll_s"])
     except Exception as exc:  # best effort: the loader reads at load time regardless
         why = f"{type(exc).__name__}: {exc}"
     finally:
         for mapping in held:
             mapping.close()
         if hold is not None:
-            logger.info("fastload: early reads: files released after %.2f s, %d of %d loads done (%s)",
-                        time.perf_counter() - start, hold.done(), hold.expected, why)
+            _report("fastload: early reads: files released after %.2f s, %d of %d loads done (%s)",
+                    time.perf_counter() - start, hold.done(), hold.expected, why)
             hold.remove()
 
 
+def _report(message: str, *args: Any) -> None:
+    """A line for the starting process's log (nothing if it is gone)."""
+    try:
+        sys.stdout.write(json.dumps([message, args]) + "\n")
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
+
+
 def _run_when_idle() -> None:
-    """Run this thread only on CPU time nothing else wants (Linux ``SCHED_IDLE``): reading early
-    must not slow the start-up it overlaps with, which on a machine with few cores is CPU-bound.
-    The reads themselves release the GIL (see ``_Mapping``)."""
+    """Run this process only on CPU time nothing else wants (Linux ``SCHED_IDLE``)."""
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):
         pass
 
 
-def _run_normally() -> None:
-    try:
-        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
-    except (AttributeError, OSError):
-        pass  # without the privilege to: it only sleeps and lists a directory from now on
-
-
-def _memory_low() -> bool:
-    return available_memory() < LOW_MEMORY * _meminfo("MemTotal")
+def _memory_low(share: float = LOW_MEMORY) -> bool:
+    return available_memory() < share * _meminfo("MemTotal")
 
 
 def _read_in(paths: list[str], *, hold: bool = False,
@@ -176,46 +234,32 @@ def _read_in(paths: list[str], *, hold: bool = False,
 
 
 class _Mapping:
-    """A read-only shared mapping of a whole file, made and advised through libc: Python's
-    ``mmap.madvise`` keeps the GIL while the kernel reads, which would stop the process's other
-    threads for as long as the disk takes. Not inherited by a child the process forks (vLLM's
-    engine core on GPUs), which would keep the files mapped for as long as it runs."""
+    """A read-only shared mapping of a whole file. (Python's ``mmap.madvise`` keeps the GIL while
+    the kernel reads: harmless in the reading process, which has one thread.)"""
 
     def __init__(self, fd: int, size: int) -> None:
-        libc = releasing_gil()
-        if libc is None:
-            raise OSError(errno.ENOSYS, "the C library cannot be loaded")
-        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        if address is None or address == MAP_FAILED:
-            raise OSError(ctypes.get_errno(), "mmap failed")
-        self.address: int | None = address
-        self.size = size
-        self._libc = libc
-        libc.madvise(address, size, MADV_DONTFORK)
+        self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
 
     def populate(self, offset: int, length: int) -> bool:
         """Read a chunk into the page cache and touch each of its pages once; False where the
         kernel cannot populate a mapping (before Linux 5.14).
 
-        The touch (one byte read per page; ~0.01 s per 400 MB where it costs nothing more) is for
-        hosts that back a VM's memory lazily: there the first CPU access to a page the disk filled
-        costs a fault in the hypervisor, which made a later copy out of the page cache 3-12x slower
-        (0.5-2 GB/s instead of 6 GB/s on this project's VM); touched here, that cost is paid while
-        vLLM starts instead of in the load. numpy's reduction releases the GIL too."""
-        assert self.address is not None
-        if self._libc.madvise(self.address + offset, length, MADV_POPULATE_READ) != 0:
-            err = ctypes.get_errno()
-            if err == errno.EINVAL:
+        The touch (one byte read per page) is for hosts that back a VM's memory lazily: there the
+        first CPU access to a page the disk filled costs a fault in the hypervisor, which made a
+        later copy out of the page cache 3-12x slower (0.5-2 GB/s instead of 6 GB/s on this
+        project's VM); touched here, that cost is paid while vLLM starts instead of in the load."""
+        try:
+            self._map.madvise(MADV_POPULATE_READ, offset, length)
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:
                 return False
-            raise OSError(err, os.strerror(err))
-        pages = np.ctypeslib.as_array((ctypes.c_uint8 * length).from_address(self.address + offset))
-        int(pages[::mmap.PAGESIZE].max())
+            raise
+        with memoryview(self._map) as view, view[offset:offset + length:mmap.PAGESIZE] as pages:
+            pages.tobytes()
         return True
 
     def close(self) -> None:
-        if self.address is not None:
-            self._libc.munmap(self.address, self.size)
-            self.address = None
+        self._map.close()
 
 
 def _read_through(fd: int, offset: int, length: int, buffer: bytearray) -> None:
@@ -232,9 +276,9 @@ class LoadMarks:
     directory in which each loading process leaves a mark as its load begins and one as it ends
     (the loads run in other processes, which inherit the directory's path)."""
 
-    def __init__(self, expected: int) -> None:
+    def __init__(self, expected: int, *, directory: str | None = None) -> None:
         self.expected = max(expected, 1)
-        self.directory = tempfile.mkdtemp(prefix="fastload-loads-")
+        self.directory = directory or tempfile.mkdtemp(prefix="fastload-loads-")
 
     def _count(self, kind: str) -> int:
         try:
@@ -284,3 +328,7 @@ def _cgroup(name: str) -> int | None:
     except OSError:
         return None
     return int(text) if text.isdigit() else None
+
+
+if __name__ == "__main__":
+    _serve(json.loads(sys.argv[1]))

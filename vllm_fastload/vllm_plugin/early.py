@@ -4,14 +4,14 @@ A vLLM start spends tens of seconds (imports, processes, distributed set-up, the
 construction) before any worker calls ``load_weights``; meanwhile the disk sits idle. The process
 that builds vLLM's config knows the checkpoint long before that, but not the model, so not the
 per-rank plan: it asks the kernel to read every file of a local checkpoint into the page cache (the
-node's ranks share it), in the background and on CPU time nothing else wants, where the checkpoint
+node's ranks share it), in a process of its own and on CPU time nothing else wants, where the checkpoint
 fits in half of the memory available (``early_reads``: by default on local filesystems).
 ``load_weights`` then finds the pages cached and copies them out. The reads stop when the first
 rank's load begins (it reads what is missing itself), and the files stay mapped in the reading
 process until every rank of this node has loaded (each leaves marks, see ``load_begins`` and
 ``load_ends``) or ``HOLD_S`` has passed, so that a host reclaiming idle page cache does not take
-them first; then the reading thread unmaps them and ends (it also ends with its process). A
-failure here is logged, never raised.
+them first; then the reading process unmaps them and ends (it also ends with the process that
+started it). A failure here is logged, never raised.
 """
 
 from __future__ import annotations
@@ -60,16 +60,16 @@ def _start(vllm_config: Any) -> None:
         return  # no rank loads on this node (an API server without engines of its own)
     os.environ[STARTED_ENV] = path
     marks = LoadMarks(ranks)
-    atexit.register(marks.remove)  # the reading thread is a daemon: it may not get to remove them
+    atexit.register(marks.remove)  # the reading process may be killed before it removes them
     os.environ[MARKS_ENV] = marks.directory
-    thread = None
+    reads = None
     try:
-        thread = read_ahead(files, limit=int(available_memory() * MEMORY_SHARE), hold=marks, hold_s=HOLD_S)
+        reads = read_ahead(files, limit=int(available_memory() * MEMORY_SHARE), hold=marks, hold_s=HOLD_S)
     finally:
-        if thread is None:
+        if reads is None:
             marks.remove()
             os.environ.pop(MARKS_ENV, None)
-    if thread is not None:
+    if reads is not None:
         logger.info("fastload: early reads: %d checkpoint files (%.2f GB) into the page cache while vLLM starts",
                     len(files), sum(os.path.getsize(f) for f in files) / 1e9)
 
