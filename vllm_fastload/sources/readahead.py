@@ -26,6 +26,7 @@ fit in a share of the memory available now (``available_memory``).
 
 from __future__ import annotations
 
+import atexit
 import errno
 import json
 import logging
@@ -62,8 +63,8 @@ def read_ahead(paths: Sequence[str], *, limit: int, hold: LoadMarks | None = Non
 
     With ``hold``, the process stops reading when a load begins, and keeps the files mapped until
     every load it expects has ended (looked for every ``POLL_S``), ``hold_s`` seconds have passed
-    since the reads ended, memory runs low, or this process ends; then it unmaps them, removes the
-    marks and ends."""
+    since the reads ended, memory runs low, or this process ends (its exit ends the reading process
+    too); then it unmaps them, removes the marks and ends."""
     total = sum(os.path.getsize(p) for p in paths)
     if total > limit:
         logger.info("fastload: no early reads: the checkpoint (%.2f GB) exceeds the share of available memory "
@@ -73,13 +74,21 @@ def read_ahead(paths: Sequence[str], *, limit: int, hold: LoadMarks | None = Non
         logger.info("fastload: no early reads: no Python interpreter to run them in (sys.executable is empty)")
         return None
     request = {"paths": list(paths), "total": total, "hold_s": hold_s, "poll_s": POLL_S, "low_memory": LOW_MEMORY,
-               "marks": None if hold is None else [hold.directory, hold.expected]}
+               "marks": None if hold is None else [hold.directory, hold.expected], "parent": os.getpid()}
     # -I -S: no site-packages, no environment, not even this file's directory on the path: a bare
-    # interpreter that starts in milliseconds and imports only the standard library.
-    process = subprocess.Popen([sys.executable, "-I", "-S", __file__, json.dumps(request)],
-                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, close_fds=True)
+    # interpreter that starts in milliseconds and imports only the standard library. Its output and
+    # errors come back here, to be logged; the request goes in on stdin (no limit on its length).
+    process = subprocess.Popen([sys.executable, "-I", "-S", __file__], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, close_fds=True)
+    assert process.stdin is not None
+    with process.stdin:
+        try:
+            process.stdin.write(json.dumps(request).encode())
+        except BrokenPipeError:
+            pass  # it ended at once: its status is logged
     reads = EarlyReads(process, hold)
     reads.start()
+    atexit.register(reads.end)
     return reads
 
 
@@ -91,6 +100,8 @@ class EarlyReads(threading.Thread):
         super().__init__(name="fastload-early-reads", daemon=True)
         self.process = process
         self._hold = hold
+        self._ending = False
+        self._starter = os.getpid()
 
     @property
     def pid(self) -> int:
@@ -104,11 +115,27 @@ class EarlyReads(threading.Thread):
                 try:
                     message, args = json.loads(line)
                     logger.info(message, *args)
-                except (ValueError, TypeError):
-                    continue
+                except (ValueError, TypeError):  # not a report: an error the process printed
+                    logger.info("fastload: early reads: %s", line.decode(errors="replace").rstrip())
         status = self.process.wait()
-        if status:
+        if status and not self._ending:
             logger.info("fastload: early reads: the reading process ended with status %d", status)
+        if self._hold is not None:
+            self._hold.remove()
+
+    def end(self) -> None:
+        """End the reading process (the starting process is exiting: nothing will load from what
+        it holds), and remove the marks. Nothing in a process forked from the starting one, which
+        inherits its exit handlers."""
+        if os.getpid() != self._starter:
+            return
+        if self.process.poll() is None:
+            self._ending = True
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
         if self._hold is not None:
             self._hold.remove()
 
@@ -126,7 +153,7 @@ def _serve(request: dict[str, Any]) -> None:
     """The reading process: read, report, hold, report, end."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C ends the process that started it, then this one
     _run_when_idle()
-    parent = os.getppid()
+    parent = request["parent"]
     start = time.perf_counter()
     paths, total = request["paths"], request["total"]
     hold = None if request["marks"] is None else LoadMarks(request["marks"][1], directory=request["marks"][0])
@@ -145,6 +172,7 @@ def _serve(request: dict[str, Any]) -> None:
         else:
             _report("fastload: early reads: %d of %d files in the page cache after %.2f s", files, len(paths),
                     time.perf_counter() - start)
+        _run_normally()  # only sleeps and lists a directory from now on: let it notice the marks on time
         deadline = time.monotonic() + request["hold_s"]
         while held and not hold.all_done():
             if time.monotonic() >= deadline:
@@ -169,11 +197,11 @@ def _serve(request: dict[str, Any]) -> None:
 
 
 def _report(message: str, *args: Any) -> None:
-    """A line for the starting process's log (nothing if it is gone)."""
+    """A line for the starting process's log (nothing if it is gone). Unbuffered: nothing is left
+    to flush, and fail, at exit."""
     try:
-        sys.stdout.write(json.dumps([message, args]) + "\n")
-        sys.stdout.flush()
-    except (OSError, ValueError):
+        os.write(sys.stdout.fileno(), (json.dumps([message, args]) + "\n").encode())
+    except OSError:
         pass
 
 
@@ -183,6 +211,13 @@ def _run_when_idle() -> None:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):
         pass
+
+
+def _run_normally() -> None:
+    try:
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    except (AttributeError, OSError):
+        pass  # without the privilege to (RLIMIT_NICE): it notices marks when idle time allows
 
 
 def _memory_low(share: float = LOW_MEMORY) -> bool:
@@ -224,7 +259,7 @@ def _read_in(paths: list[str], *, hold: bool = False,
                     read += length
                 else:
                     files += 1
-        except OSError:
+        except (OSError, ValueError):  # ValueError: mmap of a file that shrank since its size was read
             pass  # the loader reads this file at load time and says what is wrong with it
         if mapping is not None and hold:
             held.append(mapping)
@@ -331,4 +366,4 @@ def _cgroup(name: str) -> int | None:
 
 
 if __name__ == "__main__":
-    _serve(json.loads(sys.argv[1]))
+    _serve(json.loads(sys.stdin.read()))

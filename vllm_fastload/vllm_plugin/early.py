@@ -16,7 +16,6 @@ started it). A failure here is logged, never raised.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import sys
@@ -59,8 +58,7 @@ def _start(vllm_config: Any) -> None:
     if not ranks:
         return  # no rank loads on this node (an API server without engines of its own)
     os.environ[STARTED_ENV] = path
-    marks = LoadMarks(ranks)
-    atexit.register(marks.remove)  # the reading process may be killed before it removes them
+    marks = LoadMarks(ranks)  # removed when the reads end, or at this process's exit
     os.environ[MARKS_ENV] = marks.directory
     reads = None
     try:
