@@ -73,7 +73,7 @@ def read_ahead(paths: Sequence[str], *, limit: int, hold: LoadMarks | None = Non
     if not sys.executable:
         logger.info("fastload: no early reads: no Python interpreter to run them in (sys.executable is empty)")
         return None
-    request = {"paths": list(paths), "total": total, "hold_s": hold_s, "poll_s": POLL_S, "low_memory": LOW_MEMORY,
+    request = {"paths": list(paths), "total": total, "hold_s": hold_s, "low_memory": LOW_MEMORY,
                "marks": None if hold is None else [hold.directory, hold.expected], "parent": os.getpid()}
     # -I -S: no site-packages, no environment, not even this file's directory on the path: a bare
     # interpreter that starts in milliseconds and imports only the standard library. Its output and
@@ -184,7 +184,7 @@ def _serve(request: dict[str, Any]) -> None:
             if orphaned():
                 why = "the process that started it ended"
                 break
-            time.sleep(request["poll_s"])
+            time.sleep(POLL_S)
     except Exception as exc:  # best effort: the loader reads at load time regardless
         why = f"{type(exc).__name__}: {exc}"
     finally:
@@ -220,7 +220,7 @@ def _run_normally() -> None:
         pass  # without the privilege to (RLIMIT_NICE): it notices marks when idle time allows
 
 
-def _memory_low(share: float = LOW_MEMORY) -> bool:
+def _memory_low(share: float) -> bool:
     return available_memory() < share * _meminfo("MemTotal")
 
 
