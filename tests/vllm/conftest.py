@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from vllm_fastload.tools.checkpoints import write_checkpoint
+from vllm_fastload.tools.processes import remove_cpu_shm
 
 HERE = Path(__file__).parent
 
@@ -43,6 +44,7 @@ def run_scenario(out_dir: Path, name: str, model: Path, load_format: str, tp: in
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             _stop_hung(proc)
+            remove_cpu_shm(log.read_text(errors="replace"))
             raise AssertionError(f"{name}: the start did not end within {timeout:.0f} s (a hang); the stacks of "
                                  f"its threads end its log ({log}):\n{log.read_text(errors='replace')[-8000:]}"
                                  ) from None
@@ -52,6 +54,7 @@ def run_scenario(out_dir: Path, name: str, model: Path, load_format: str, tp: in
             raise
     result = json.loads(out.read_text()) if out.exists() else {"error": f"no result (exit {proc.returncode})"}
     result["log"] = log.read_text(errors="replace")
+    remove_cpu_shm(result["log"])  # what its killed workers left, so that no later start collides with it
     result["returncode"] = proc.returncode
     return result
 

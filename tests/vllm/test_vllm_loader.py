@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from vllm_fastload.bench.machine import evict
+from vllm_fastload.bench.vllm import root_cause
 from vllm_fastload.tools.vllm_server import SMALL_MODEL_FLAGS, VllmServer
 
 from .conftest import ARCHITECTURES, HERE, UNUSED_TENSOR, rewrite, run_scenario
@@ -32,7 +33,9 @@ def summaries(log: str) -> dict[int, tuple]:
 
 
 def assert_ok(result: dict) -> None:
-    assert "error" not in result, f"{result.get('error')}\n{result.get('traceback', '')}\n{result['log'][-4000:]}"
+    # vLLM logs the failure first and then pages of tracebacks of the processes that noticed it.
+    assert "error" not in result, (f"{result.get('error')}\nfirst error in the log: {root_cause(result['log'])}\n"
+                                   f"{result.get('traceback', '')}\n{result['log'][-4000:]}")
 
 
 @pytest.mark.parametrize("tp", [1, 2])

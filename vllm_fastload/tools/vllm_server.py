@@ -16,6 +16,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from vllm_fastload.tools.processes import remove_cpu_shm
+
 #: Flags that make a tiny random model start quickly on a CPU (prompts are token ids).
 SMALL_MODEL_FLAGS = ["--max-model-len", "256", "--enforce-eager", "--dtype", "bfloat16", "--skip-tokenizer-init"]
 
@@ -110,3 +112,4 @@ class VllmServer:
         if getattr(self, "_log", None) is not None:
             self._log.close()
             self._log = None
+            remove_cpu_shm(self.log_path.read_text(errors="replace"))
