@@ -23,6 +23,8 @@ import psutil
 import pytest
 import torch
 
+from vllm_fastload.tools.processes import DIST_INIT_PORT, SHM_DIR
+
 from .conftest import HERE, rewrite, run_scenario
 from .test_vllm_loader import assert_ok, summaries
 
@@ -41,7 +43,8 @@ RANK_SUMMARY = re.compile(RAY_WORKER + r".*fastload rank (\d+)/2: read")
 
 
 def assert_ray_gone(result: dict) -> None:
-    """No process of the scenario's Ray cluster is left: raylet, GCS, object store, worker actors."""
+    """No process of the scenario's Ray cluster is left (raylet, GCS, object store, worker actors),
+    nor the shared-memory files of its vLLM workers."""
     temp_dir = result["ray_temp_dir"]
     workers = {int(pid) for pid in re.findall(RAY_WORKER, result["log"])}
     assert workers, "no Ray worker lines in the log"
@@ -56,6 +59,12 @@ def assert_ray_gone(result: dict) -> None:
             break
         time.sleep(0.5)
     assert not alive, f"Ray processes left behind: {alive}"
+    # Ray kills its workers, which leaves vLLM-CPU's shared-memory files; the start's own removal
+    # (``run_scenario``) finds them by the port its log names.
+    ports = set(DIST_INIT_PORT.findall(result["log"]))
+    assert ports, "no distributed init method in the log"
+    left = [f.name for port in ports for f in SHM_DIR.glob(f"{port}-*-cpushm_*")]
+    assert not left, f"shared-memory files left behind: {left}"
 
 
 def test_ray_tp2_equals_default_loader_and_plugin_loads_in_every_worker(checkpoints, scenarios):
