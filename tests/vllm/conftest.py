@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from vllm_fastload.tools.checkpoints import write_checkpoint
-from vllm_fastload.tools.processes import remove_cpu_shm
+from vllm_fastload.tools.processes import cpu_shm_idents, remove_cpu_shm
 
 HERE = Path(__file__).parent
 
@@ -44,17 +44,17 @@ def run_scenario(out_dir: Path, name: str, model: Path, load_format: str, tp: in
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             _stop_hung(proc)
-            remove_cpu_shm(log.read_text(errors="replace"))
             raise AssertionError(f"{name}: the start did not end within {timeout:.0f} s (a hang); the stacks of "
                                  f"its threads end its log ({log}):\n{log.read_text(errors='replace')[-8000:]}"
                                  ) from None
         except BaseException:  # interrupted (pytest's own time limit): leave nothing running
-            proc.kill()
-            proc.wait()
+            _kill_group(proc)
             raise
+        finally:
+            # What its killed workers left in /dev/shm: a later start that drew the port would fail.
+            remove_cpu_shm(cpu_shm_idents(log.read_text(errors="replace")), ended=time.time())
     result = json.loads(out.read_text()) if out.exists() else {"error": f"no result (exit {proc.returncode})"}
     result["log"] = log.read_text(errors="replace")
-    remove_cpu_shm(result["log"])  # what its killed workers left, so that no later start collides with it
     result["returncode"] = proc.returncode
     return result
 
@@ -65,6 +65,13 @@ def _stop_hung(proc: subprocess.Popen) -> None:
     try:
         os.kill(proc.pid, signal.SIGUSR1)
         time.sleep(3)
+    except ProcessLookupError:
+        pass
+    _kill_group(proc)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass

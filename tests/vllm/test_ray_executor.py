@@ -23,7 +23,7 @@ import psutil
 import pytest
 import torch
 
-from vllm_fastload.tools.processes import DIST_INIT_PORT, SHM_DIR
+from vllm_fastload.tools.processes import SHM_DIR, cpu_shm_idents
 
 from .conftest import HERE, rewrite, run_scenario
 from .test_vllm_loader import assert_ok, summaries
@@ -61,9 +61,9 @@ def assert_ray_gone(result: dict) -> None:
     assert not alive, f"Ray processes left behind: {alive}"
     # Ray kills its workers, which leaves vLLM-CPU's shared-memory files; the start's own removal
     # (``run_scenario``) finds them by the port its log names.
-    ports = set(DIST_INIT_PORT.findall(result["log"]))
-    assert ports, "no distributed init method in the log"
-    left = [f.name for port in ports for f in SHM_DIR.glob(f"{port}-*-cpushm_*")]
+    idents = cpu_shm_idents(result["log"])
+    assert idents, "no distributed init method in the log"
+    left = [f.name for ident in idents for f in SHM_DIR.glob(f"{ident}-*-cpushm_*")]
     assert not left, f"shared-memory files left behind: {left}"
 
 

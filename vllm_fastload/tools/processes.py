@@ -8,16 +8,17 @@ import re
 import signal
 import subprocess
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 #: vLLM-CPU's parallel workers share memory through files in /dev/shm named
-#: "<VLLM_DIST_IDENT>-<group>-[<ranks>]-cpushm_<rank>", where the ident is the port of the
-#: distributed init method. A worker that is killed (Ray's shutdown kills its actors) leaves them
-#: behind, and a later start that draws the same port fails with "create shm in SHMManager failed.
-#: errno: 17" (the file exists).
+#: "<ident>-<group>-[<ranks>]-cpushm_<rank>", the ident being the port of the distributed init
+#: method (its file name for a ``file://`` method). A worker that is killed (Ray's shutdown kills
+#: its actors) leaves them behind, and a later start that draws the same port fails with "create
+#: shm in SHMManager failed. errno: 17" (the file exists).
 SHM_DIR = Path("/dev/shm")
-#: How a vLLM log names the distributed init method, whose port is the segments' ident.
-DIST_INIT_PORT = re.compile(r"distributed_init_method=tcp://\S+?:(\d+)\b")
+#: The line each vLLM rank logs as it joins the group, with the init method its files are named by.
+DIST_INIT_METHOD = re.compile(r"distributed_init_method=(\S+)")
 
 
 def stop_process_group(proc: subprocess.Popen | None, timeout: float = 10) -> None:
@@ -33,22 +34,43 @@ def stop_process_group(proc: subprocess.Popen | None, timeout: float = 10) -> No
         proc.wait(timeout=timeout)
 
 
-def remove_cpu_shm(log: str | None = None, *, min_age_s: float = 0.0, shm_dir: Path = SHM_DIR) -> list[Path]:
-    """Remove vLLM-CPU's shared-memory files: those of the starts ``log`` records (call once they
-    have ended: a worker still on its way out keeps its mapping, only the name goes), or with no
-    log every such file older than ``min_age_s`` that no process maps or holds open (left by
-    earlier starts). Returns the files removed."""
-    if log is not None:
-        idents = set(DIST_INIT_PORT.findall(log))
-        stale = [f for f in shm_dir.glob("*-cpushm_*") if f.name.split("-", 1)[0] in idents]
-    else:
-        cutoff = time.time() - min_age_s
-        stale = [f for f in shm_dir.glob("*-cpushm_*") if _mtime(f) < cutoff]
-        if stale:
-            used = _files_in_use()
-            stale = [f for f in stale if str(f) not in used]
+def cpu_shm_idents(log: str) -> set[str]:
+    """The idents of the shared-memory files of the starts ``log`` records, formed as vLLM-CPU's
+    worker forms them (``VLLM_DIST_IDENT``)."""
+    idents = set()
+    for method in DIST_INIT_METHOD.findall(log):
+        if method.startswith("file://"):
+            idents.add(os.path.basename(method.removeprefix("file://")))
+        elif method.startswith("tcp://"):
+            idents.add(method.rsplit(":", 1)[-1])
+    idents.discard("")
+    return idents
+
+
+def remove_cpu_shm(idents: Iterable[str], ended: float, *, shm_dir: Path = SHM_DIR) -> list[Path]:
+    """Remove the shared-memory files named by ``idents`` (``cpu_shm_idents``) of starts that ended
+    at ``ended`` (``time.time()``). Files changed after that belong to a later start that drew the
+    same port and are kept; a worker of the ended start still on its way out keeps its mapping, only
+    the name goes. Returns the files removed."""
+    idents = set(idents)
+    return _remove([f for f in shm_dir.glob("*-cpushm_*")
+                    if any(f.name.startswith(ident + "-") for ident in idents) and _mtime(f) <= ended])
+
+
+def remove_stale_cpu_shm(min_age_s: float, *, shm_dir: Path = SHM_DIR) -> list[Path]:
+    """Remove the shared-memory files earlier starts left: unchanged for ``min_age_s`` and mapped
+    or held open by no process. Returns the files removed."""
+    cutoff = time.time() - min_age_s
+    stale = [f for f in shm_dir.glob("*-cpushm_*") if _mtime(f) < cutoff]
+    if stale:
+        used = _files_in_use()
+        stale = [f for f in stale if str(f) not in used]
+    return _remove(stale)
+
+
+def _remove(files: list[Path]) -> list[Path]:
     removed = []
-    for f in stale:
+    for f in files:
         try:
             f.unlink()
             removed.append(f)
@@ -74,9 +96,12 @@ def _files_in_use() -> set[str]:
                     fields = line.split(maxsplit=5)  # address perms offset device inode [path]
                     if len(fields) == 6:
                         used.add(fields[5].rstrip())
-            fds = f"/proc/{pid}/fd"
-            for fd in os.listdir(fds):
-                used.add(os.readlink(f"{fds}/{fd}"))
+            fds = os.listdir(f"/proc/{pid}/fd")
         except OSError:  # ended meanwhile, or not ours to inspect
             continue
+        for fd in fds:
+            try:
+                used.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+            except OSError:  # closed meanwhile
+                pass
     return used

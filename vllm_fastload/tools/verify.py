@@ -24,6 +24,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vllm_fastload.tools.processes import remove_cpu_shm
+
 #: mode -> (vLLM load format, --model-loader-extra-config). The first mode is the reference.
 DEFAULT_MODES: dict[str, tuple[str, dict]] = {
     "default": ("auto", {}),
@@ -152,6 +154,8 @@ def run_ranks(paths: list[str], tp: int, out_dir: str | Path, modes: Mapping[str
         if p.is_alive():
             p.kill()
             p.join()
+    # The ranks' shared-memory files, named after the rendezvous port, which a killed rank leaves.
+    remove_cpu_shm({str(port)}, ended=time.time())
     results = []
     for r, p in enumerate(procs):
         f = out_dir / f"rank{r}.json"

@@ -16,7 +16,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from vllm_fastload.tools.processes import remove_cpu_shm
+from vllm_fastload.tools.processes import cpu_shm_idents, remove_cpu_shm
 
 #: Flags that make a tiny random model start quickly on a CPU (prompts are token ids).
 SMALL_MODEL_FLAGS = ["--max-model-len", "256", "--enforce-eager", "--dtype", "bfloat16", "--skip-tokenizer-init"]
@@ -68,6 +68,7 @@ class VllmServer:
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                self.stop()
                 raise RuntimeError(f"vLLM server exited with code {self.proc.returncode} during start-up; "
                                    f"last lines of {self.log_path}:\n{self.log_tail()}")
             try:
@@ -112,4 +113,5 @@ class VllmServer:
         if getattr(self, "_log", None) is not None:
             self._log.close()
             self._log = None
-            remove_cpu_shm(self.log_path.read_text(errors="replace"))
+            # What killed workers left in /dev/shm: a later start that drew the port would fail.
+            remove_cpu_shm(cpu_shm_idents(self.log_path.read_text(errors="replace")), ended=time.time())
