@@ -14,9 +14,9 @@ from vllm_fastload.tools.processes import remove_stale_cpu_shm
 
 @pytest.fixture(scope="session", autouse=True)
 def no_stale_cpu_shm() -> None:
-    """Remove the vLLM-CPU shared-memory files that killed workers of earlier starts on this
-    machine left behind (no process using them, a minute old): a start of this session that drew
-    the same port would fail with errno 17. Each start here removes its own when it ends."""
+    """Remove the vLLM-CPU shared-memory files that killed workers of earlier vLLM starts on this
+    machine left behind (no process using them, a minute old): a test's start that drew the same
+    port would fail with errno 17. Each start the tests make removes its own when it ends."""
     removed = remove_stale_cpu_shm(min_age_s=60)
     if removed:
         print(f"removed {len(removed)} shared-memory files earlier vLLM starts left in /dev/shm")
