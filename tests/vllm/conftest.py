@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from vllm_fastload.tools.checkpoints import write_checkpoint
-from vllm_fastload.tools.processes import cpu_shm_idents, remove_cpu_shm
+from vllm_fastload.tools.processes import remove_logged_cpu_shm
 
 HERE = Path(__file__).parent
 
@@ -51,8 +51,7 @@ def run_scenario(out_dir: Path, name: str, model: Path, load_format: str, tp: in
             _kill_group(proc)
             raise
         finally:
-            # What its killed workers left in /dev/shm: a later start that drew the port would fail.
-            remove_cpu_shm(cpu_shm_idents(log.read_text(errors="replace")), ended=time.time())
+            remove_logged_cpu_shm(log)
     result = json.loads(out.read_text()) if out.exists() else {"error": f"no result (exit {proc.returncode})"}
     result["log"] = log.read_text(errors="replace")
     result["returncode"] = proc.returncode

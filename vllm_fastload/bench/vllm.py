@@ -34,7 +34,7 @@ from pathlib import Path
 import vllm_fastload
 from vllm_fastload.bench.machine import MachineState, evict, release_memory
 from vllm_fastload.tools.checkpoints import write_checkpoint, write_random_checkpoint
-from vllm_fastload.tools.processes import cpu_shm_idents, remove_cpu_shm
+from vllm_fastload.tools.processes import remove_logged_cpu_shm
 from vllm_fastload.tools.quantize import SCHEMES, quantize_checkpoint
 from vllm_fastload.tools.vllm_server import vllm_env
 from vllm_fastload.tp_rules import rank_requests
@@ -130,8 +130,8 @@ def run_once(model: str, loader: str, tp: int, work: Path, cache: str = "", env_
     try:
         with log.open("wb") as f:
             proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=900)
-    finally:  # what killed workers left in /dev/shm: a later start that drew the port would fail
-        remove_cpu_shm(cpu_shm_idents(log.read_text(errors="replace")), ended=time.time())
+    finally:
+        remove_logged_cpu_shm(log)
     ranks = [json.loads(p.read_text()) for p in sorted(probe_dir.glob("rank*.json"))]
     models = {r["rank"]: r for r in (json.loads(p.read_text()) for p in probe_dir.glob("model*.json"))}
     ready = probe_dir / "ready.json"

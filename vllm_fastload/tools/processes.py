@@ -57,6 +57,13 @@ def remove_cpu_shm(idents: Iterable[str], ended: float, *, shm_dir: Path = SHM_D
                     if any(f.name.startswith(ident + "-") for ident in idents) and _mtime(f) <= ended])
 
 
+def remove_logged_cpu_shm(log: Path) -> list[Path]:
+    """Remove the shared-memory files of the starts whose log is ``log``, which have just ended
+    (``remove_cpu_shm``): what their killed workers left, on which a later start that drew the same
+    port would fail."""
+    return remove_cpu_shm(cpu_shm_idents(log.read_text(errors="replace")), ended=time.time())
+
+
 def remove_stale_cpu_shm(min_age_s: float, *, shm_dir: Path = SHM_DIR) -> list[Path]:
     """Remove the shared-memory files earlier starts left: unchanged for ``min_age_s`` and mapped
     or held open by no process. Returns the files removed."""

@@ -16,7 +16,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from vllm_fastload.tools.processes import cpu_shm_idents, remove_cpu_shm
+from vllm_fastload.tools.processes import remove_logged_cpu_shm
 
 #: Flags that make a tiny random model start quickly on a CPU (prompts are token ids).
 SMALL_MODEL_FLAGS = ["--max-model-len", "256", "--enforce-eager", "--dtype", "bfloat16", "--skip-tokenizer-init"]
@@ -113,5 +113,4 @@ class VllmServer:
         if getattr(self, "_log", None) is not None:
             self._log.close()
             self._log = None
-            # What killed workers left in /dev/shm: a later start that drew the port would fail.
-            remove_cpu_shm(cpu_shm_idents(self.log_path.read_text(errors="replace")), ended=time.time())
+            remove_logged_cpu_shm(self.log_path)
