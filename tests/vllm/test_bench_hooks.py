@@ -65,15 +65,21 @@ def test_reference_loaders_write_every_parameter_and_record_the_rank(registry, t
         assert r["rank"] == 0 and r["seconds"] > 0 and r["hwm_after_kb"] >= r["rss_before_kb"] > 0
 
 
-def _run(seconds: list[float], rchar: int = 0, ready: float = 30.0) -> dict:
-    """One start's records: per rank load_weights ``s``, load_model ``s + 1`` of which 0.1 post-processing."""
-    return {"ranks": [{"seconds": s, "rchar": rchar, "read_bytes": 0, "hwm_after_kb": 1024, "load_model_s": s + 1,
-                       "post_s": 0.1} for s in seconds], "ready_s": ready}
+def _run(seconds: list[float], rchar: int = 0, ready: float = 30.0, cached: float | None = None) -> dict:
+    """One start's records: per rank load_weights ``s``, load_model ``s + 1`` of which 0.1 post-processing;
+    with ``cached`` also fastload's phases (probe 0.03 s, the rest read) and page-cache share."""
+    ranks = [{"seconds": s, "rchar": rchar, "read_bytes": 0, "hwm_after_kb": 1024, "load_model_s": s + 1,
+              "post_s": 0.1} for s in seconds]
+    if cached is not None:
+        for r in ranks:
+            r.update(phases={"probe": 0.03, "plan": 0.001, "read": r["seconds"] - 0.031}, cached=cached)
+    return {"ranks": ranks, "ready_s": ready}
 
 
 def test_summary_takes_the_slowest_rank_and_compares_with_default_and_floor(capsys):
     results = {
-        "tp2|warm|fastload": [_run([0.6, 0.8], rchar=900), _run([0.7, 0.5], rchar=900), _run([1.0, 0.9], rchar=900)],
+        "tp2|warm|fastload": [_run([0.6, 0.8], rchar=900, cached=1.0), _run([0.7, 0.5], rchar=900, cached=0.9),
+                              _run([1.0, 0.9], rchar=900, cached=1.0)],
         "tp2|warm|safetensors": [_run([1.0, 0.9], ready=40), _run([1.0, 1.1], ready=41), _run([1.2, 1.0], ready=39)],
         "tp2|warm|zerofill (floor)": [_run([0.4, 0.5])],
         "tp2|warm|memcopy (copy floor)": [_run([0.55, 0.6])],
@@ -92,11 +98,17 @@ def test_summary_takes_the_slowest_rank_and_compares_with_default_and_floor(caps
     assert fast["post_median"] == pytest.approx(0.1)
     assert fast["load_model_vs_safetensors"] == pytest.approx(1.8 / 2.1)
     assert fast["ready_median"] == pytest.approx(30.0) and fast["ready_vs_safetensors"] == pytest.approx(30 / 40)
+    # fastload's phases: medians over runs and ranks (reads of 0.5-1.0 s less the 0.031 s before them).
+    assert fast["phases_median"] == pytest.approx({"probe": 0.03, "plan": 0.001, "read": 0.75 - 0.031})
+    assert fast["cached_min"] == pytest.approx(0.9) and "phases_median" not in rows["safetensors|warm"]
 
     bench.print_table(list(rows.values()))
     out = capsys.readouterr().out
     assert "memcopy (copy floor)" in out and "FAILED" in out and "0.73x" in out
     assert "load_model s" in out and "0.86x" in out and "0.75x" in out
+    phase_lines = [line.split() for line in out.splitlines() if line.startswith("2   warm  fastload")]
+    assert phase_lines[-1] == ["2", "warm", "fastload", "0.800", "0.030", "0.001", "0.719", "0.90"]
+    assert "probe s" in out and "cached" in out
 
 
 def _row(tp: str, cache: str, loader: str, median: float, lo: float, hi: float, disk: int = 0) -> dict:

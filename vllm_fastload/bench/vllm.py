@@ -377,6 +377,9 @@ def summarize(results: dict[str, list[dict]], total: int) -> list[dict]:
         phases = [r["phases"] for run in ok for r in run["ranks"] if r.get("phases")]
         if phases:  # fastload's split of load_weights, median over runs and ranks, per phase
             rows[-1]["phases_median"] = {k: statistics.median(p.get(k, 0.0) for p in phases) for k in phases[0]}
+        cached = [r["cached"] for run in ok for r in run["ranks"] if r.get("cached") is not None]
+        if cached:  # the share of the checkpoint in the page cache as a rank's load began
+            rows[-1]["cached_min"] = min(cached)
         served = [b for run in ok for b in run.get("served_per_rank", [])]
         if served:
             rows[-1]["served_per_rank"] = max(served)
@@ -421,6 +424,7 @@ def print_table(rows: list[dict]) -> None:
               f"{r['seconds_max']:>7.2f}{r['runs']:>3}{vs:>11}{fl:>9}{r['rchar_per_rank'] / 1e9:>13.2f}"
               f"{r['disk_read_per_rank'] / 1e9:>13.2f}{r['peak_rss_mb']:>12.0f}{sv}")
     print_wait_table(rows)
+    print_phase_table(rows)
     print("median/min/max: load_weights of the slowest rank over n runs; vs: ratio of medians (floor: the warm "
           "zero-fill row); read/rank: bytes through read calls (mmap page faults are not counted there); "
           "disk/rank: bytes fetched from storage"
@@ -446,6 +450,25 @@ def print_wait_table(rows: list[dict]) -> None:
     print("load_model: vLLM's BaseModelLoader.load_model on the slowest rank (model init, load_weights, "
           "post-processing); post: of it process_weights_after_loading; ready: the bench starting the process "
           "to vLLM's LLM(...) returning (medians, min-max over the runs; vs default: ratio of medians)")
+
+
+def print_phase_table(rows: list[dict]) -> None:
+    """Where fastload's ``load_weights`` goes (the phases of its rank log line), per row that has them."""
+    measured = [r for r in rows if r.get("phases_median")]
+    if not measured:
+        return
+    names = list(dict.fromkeys(k for r in measured for k in r["phases_median"]))
+    print(f"\n{'tp':<4}{'cache':<6}{'loader':<27}{'load_weights s':>15}"
+          + "".join(f"{n + ' s':>10}" for n in names) + f"{'cached':>8}")
+    for r in measured:
+        cached = f"{r['cached_min']:.2f}" if "cached_min" in r else "-"
+        print(f"{r['tp'][2:]:<4}{r['cache']:<6}{r['loader']:<27}{r['seconds_median']:>15.3f}"
+              + "".join(f"{r['phases_median'].get(n, 0.0):>10.3f}" for n in names) + f"{cached:>8}")
+    print("phases: fastload's load_weights as its rank log line splits it (medians over runs and ranks): probe: "
+          "opening the checkpoint and learning the model's writes; plan: this rank's reads; check: the plan's "
+          "checks; read: reading into the parameters; replay: of it, copies made by the model's own slicing; "
+          "post: post-processing per layer (post_per_layer); cached: the smallest share of the checkpoint in the "
+          "page cache as a rank's load began")
 
 
 # -- targets -------------------------------------------------------------------------------
