@@ -65,22 +65,29 @@ def test_reference_loaders_write_every_parameter_and_record_the_rank(registry, t
         assert r["rank"] == 0 and r["seconds"] > 0 and r["hwm_after_kb"] >= r["rss_before_kb"] > 0
 
 
-def _run(seconds: list[float], rchar: int = 0, ready: float = 30.0, cached: float | None = None) -> dict:
+def _run(seconds: list[float], rchar: int = 0, ready: float = 30.0, phases=None, cached: float | None = None) -> dict:
     """One start's records: per rank load_weights ``s``, load_model ``s + 1`` of which 0.1 post-processing;
-    with ``cached`` also fastload's phases (probe 0.03 s, the rest read) and page-cache share."""
+    with ``phases`` (``s`` -> fastload's phases) also those and the page-cache share ``cached``."""
     ranks = [{"seconds": s, "rchar": rchar, "read_bytes": 0, "hwm_after_kb": 1024, "load_model_s": s + 1,
               "post_s": 0.1} for s in seconds]
-    if cached is not None:
+    if phases is not None:
         for r in ranks:
-            r.update(phases={"probe": 0.03, "plan": 0.001, "read": r["seconds"] - 0.031}, cached=cached)
+            r.update(phases=phases(r["seconds"]), cached=cached)
     return {"ranks": ranks, "ready_s": ready}
+
+
+def _planned(s: float) -> dict:
+    return {"probe": 0.03, "plan": 0.001, "read": s - 0.031}
 
 
 def test_summary_takes_the_slowest_rank_and_compares_with_default_and_floor(capsys):
     results = {
-        "tp2|warm|fastload": [_run([0.6, 0.8], rchar=900, cached=1.0), _run([0.7, 0.5], rchar=900, cached=0.9),
-                              _run([1.0, 0.9], rchar=900, cached=1.0)],
+        "tp2|warm|fastload": [_run([0.6, 0.8], rchar=900, phases=_planned, cached=1.0),
+                              _run([0.7, 0.5], rchar=900, phases=_planned, cached=0.9),
+                              _run([1.0, 0.9], rchar=900, phases=_planned, cached=1.0)],
         "tp2|warm|safetensors": [_run([1.0, 0.9], ready=40), _run([1.0, 1.1], ready=41), _run([1.2, 1.0], ready=39)],
+        # The path through the model's load_weights: no plan, and no cached share where it could not be told.
+        "tp2|warm|fastload-whole": [_run([0.7, 0.7], phases=lambda s: {"probe": 0.01, "read": s - 0.01})],
         "tp2|warm|zerofill (floor)": [_run([0.4, 0.5])],
         "tp2|warm|memcopy (copy floor)": [_run([0.55, 0.6])],
         "tp2|cold|fastload": [{"error": "exit 1, 1 rank records; log tail:\nboom"}],
@@ -106,9 +113,12 @@ def test_summary_takes_the_slowest_rank_and_compares_with_default_and_floor(caps
     out = capsys.readouterr().out
     assert "memcopy (copy floor)" in out and "FAILED" in out and "0.73x" in out
     assert "load_model s" in out and "0.86x" in out and "0.75x" in out
-    phase_lines = [line.split() for line in out.splitlines() if line.startswith("2   warm  fastload")]
-    assert phase_lines[-1] == ["2", "warm", "fastload", "0.800", "0.030", "0.001", "0.719", "0.90"]
-    assert "probe s" in out and "cached" in out
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if "probe s" in line)  # the phase table's header
+    assert lines[start].split()[-7:] == ["probe", "s", "plan", "s", "read", "s", "cached"]
+    phase_rows = {line.split()[2]: line.split()[3:] for line in lines[start:] if line.startswith("2   warm")}
+    assert phase_rows == {"fastload": ["0.800", "0.030", "0.001", "0.719", "0.90"],
+                          "fastload-whole": ["0.700", "0.010", "-", "0.690", "-"]}
 
 
 def _row(tp: str, cache: str, loader: str, median: float, lo: float, hi: float, disk: int = 0) -> dict:

@@ -423,13 +423,13 @@ def print_table(rows: list[dict]) -> None:
         print(f"{r['tp'][2:]:<4}{r['cache']:<6}{r['loader']:<27}{r['seconds_median']:>9.2f}{r['seconds_min']:>7.2f}"
               f"{r['seconds_max']:>7.2f}{r['runs']:>3}{vs:>11}{fl:>9}{r['rchar_per_rank'] / 1e9:>13.2f}"
               f"{r['disk_read_per_rank'] / 1e9:>13.2f}{r['peak_rss_mb']:>12.0f}{sv}")
-    print_wait_table(rows)
-    print_phase_table(rows)
     print("median/min/max: load_weights of the slowest rank over n runs; vs: ratio of medians (floor: the warm "
           "zero-fill row); read/rank: bytes through read calls (mmap page faults are not counted there); "
           "disk/rank: bytes fetched from storage"
           + ("; served/rank: bytes the object store served each rank (counted by a proxy in front of it); "
              "safetensors+download: load_weights plus the download of the local copy" if served else ""))
+    print_wait_table(rows)
+    print_phase_table(rows)
 
 
 def print_wait_table(rows: list[dict]) -> None:
@@ -461,14 +461,18 @@ def print_phase_table(rows: list[dict]) -> None:
     print(f"\n{'tp':<4}{'cache':<6}{'loader':<27}{'load_weights s':>15}"
           + "".join(f"{n + ' s':>10}" for n in names) + f"{'cached':>8}")
     for r in measured:
+        phases = r["phases_median"]
         cached = f"{r['cached_min']:.2f}" if "cached_min" in r else "-"
         print(f"{r['tp'][2:]:<4}{r['cache']:<6}{r['loader']:<27}{r['seconds_median']:>15.3f}"
-              + "".join(f"{r['phases_median'].get(n, 0.0):>10.3f}" for n in names) + f"{cached:>8}")
-    print("phases: fastload's load_weights as its rank log line splits it (medians over runs and ranks): probe: "
-          "opening the checkpoint and learning the model's writes; plan: this rank's reads; check: the plan's "
-          "checks; read: reading into the parameters; replay: of it, copies made by the model's own slicing; "
-          "post: post-processing per layer (post_per_layer); cached: the smallest share of the checkpoint in the "
-          "page cache as a rank's load began")
+              + "".join(f"{phases[n]:>10.3f}" if n in phases else f"{'-':>10}" for n in names) + f"{cached:>8}")
+    print("load_weights: of the slowest rank, as in the first table; phases: fastload's load_weights as its rank "
+          "log line splits it, medians over runs and ranks (so they need not add up to it). probe: opening the "
+          "checkpoint and asking the page cache what it holds, then, on the per-rank path, learning the model's "
+          "writes; plan: this rank's reads; check: the plan's checks; read: reading into the parameters (at TP>1 "
+          "with the ranks' agreement on sharing row reads; on the path through the model's load_weights, that "
+          "load_weights); replay: of it, copies made by the model's own slicing; post: post-processing per layer "
+          "(post_per_layer); cached: the smallest share of the checkpoint in the page cache as a rank's load "
+          "began; -: not a phase of that row's path")
 
 
 # -- targets -------------------------------------------------------------------------------
