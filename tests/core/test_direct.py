@@ -4,6 +4,7 @@ alone, and a quiet fallback to buffered reads where a filesystem refuses O_DIREC
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -176,34 +177,58 @@ def test_row_slices_turn_read_ahead_off_once_per_file(tmp_path: Path, monkeypatc
     assert willneed and all(a[0] == random[0][0] for a in willneed)
 
 
-def test_cached_reads_fault_destinations_in_ahead_of_fewer_copiers(tmp_path: Path, monkeypatch):
-    """Fewer copier threads than reader threads (a rank bound to one core): destinations are
-    faulted in on the reader threads first, the copies stay exact, and a read error still
-    reaches the caller with the file and tensor."""
+@pytest.mark.parametrize("ncpus", [1, 2], ids=["one-cpu", "two-cpus"])
+def test_cached_reads_fault_destinations_in_ahead_of_fewer_copiers(tmp_path: Path, monkeypatch, ncpus: int):
+    """Fewer copier threads than reader threads: with two CPUs (two copiers, three threads) the
+    destinations are faulted in on the reader threads first; with one CPU (a vLLM-CPU rank bound
+    to one core) the one copier faults in its own, on no other thread. Either way the copies are
+    exact and a read error on that path reaches the caller with the file and tensor."""
+    cpus = sorted(os.sched_getaffinity(0))[:ncpus]
+    if len(cpus) < ncpus:
+        pytest.skip(f"needs {ncpus} CPUs, this process may run on {len(cpus)}")
     tensors = {f"t{i}": random_tensor((257, 129), torch.bfloat16, i) for i in range(6)}
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
     path = save(tmp_path / "m.safetensors", tensors)
-    one_cpu = [min(os.sched_getaffinity(0))]  # the reader's threads on one CPU: one copier
-    faulted: list[int] = []
-    real = host._populate_batch
+    populated: list[tuple[str, int]] = []  # (thread, bytes) of every fault-in call
+    readers: set[str] = set()
+    real_populate, real_read = host.populate, host._read_batch
 
-    def counting(dests):
-        faulted.extend(d.numel() for d in dests)
-        real(dests)
+    def populating(address: int, nbytes: int) -> bool:
+        populated.append((threading.current_thread().name, nbytes))
+        return real_populate(address, nbytes)
 
-    monkeypatch.setattr(host, "_populate_batch", counting)
+    def reading(*args, **kw):
+        readers.add(threading.current_thread().name)
+        return real_read(*args, **kw)
+
+    monkeypatch.setattr(host, "populate", populating)
+    monkeypatch.setattr(host, "_read_batch", reading)
     config = dict(SMALL, threads=3, read_size=16384, aggregate_size=65536, direct_io="never", check_file_changes=False,
-                  cpus=one_cpu)
+                  cpus=cpus)
     with open_ckpt(path, config) as ckpt:
         for _ in ckpt.iter_tensors():
             pass  # fills the page cache, so the next reads take the cached path
         dests = {n: torch.empty_like(t) for n, t in tensors.items()}
+        populated.clear()
+        readers.clear()
         ckpt.read_into(dests)
         for name, t in tensors.items():
             assert_bitexact(dests[name], t, name)
-        assert sum(faulted) >= sum(t.numel() for t in tensors.values())
+        assert readers and all(n.startswith("fastload-copy") for n in readers), readers  # the cached path
+        ahead = sum(n for thread, n in populated if thread.startswith("fastload-host"))
+        if ncpus == 1:
+            assert len(readers) == 1 and {thread for thread, _ in populated} == readers, (readers, populated)
+            assert sum(n for _, n in populated) >= total and ahead == 0
+        else:
+            assert ahead >= total, populated
+        # The same path when a read fails: the file cut short under a chunk the probe calls cached.
         os.truncate(path, ckpt.info("t5").start + 100)
+        monkeypatch.setattr(host, "cached_calls", lambda fd, calls: True)
+        monkeypatch.setattr(host, "_has_holes", lambda fd, calls: False)
+        readers.clear()
         with pytest.raises(ReadError) as err:
             ckpt.read_into({"t5": torch.empty_like(tensors["t5"])})
+        assert readers and all(n.startswith("fastload-copy") for n in readers), readers
     assert str(path) in str(err.value) and "'t5'" in str(err.value)
 
 

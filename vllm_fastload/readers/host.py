@@ -108,10 +108,11 @@ class HostReader(Reader):
             advise(sf.fd, calls)
             pool, task = self.threads(), _read_batch
         elif cached:
-            copiers = self._copiers()
-            if copiers is not self.threads():
-                return self._submit_cached(sf, calls, copiers)
-            pool, task = copiers, functools.partial(_read_batch, cached=True)
+            if 1 < self._copier_count < self.config.threads:
+                return self._submit_cached(sf, calls, self._copiers())
+            # A copier per thread, or one copier (one CPU): each faults in its own destinations as
+            # it goes. On one CPU, threads faulting ahead of it would only take turns with it there.
+            pool, task = self._copiers(), functools.partial(_read_batch, cached=True)
         elif opened is None:
             advise(sf.fd, calls)
             pool, task = self.threads(), _read_batch
@@ -147,13 +148,10 @@ class HostReader(Reader):
 
     def _submit_cached(self, sf: SafetensorsFile, calls: Sequence[ReadCall | RowsCall],
                        copiers: ThreadPoolExecutor) -> Pending:
-        """Copies out of the page cache on the copier threads; the destinations' fresh pages are
-        faulted in ahead of them on all threads.
-
-        Faulting in fresh memory waits on the hypervisor where the VM hands freed memory back to
-        its host, while the copy itself is CPU work (one core, 1.67 GB, 8 repetitions: median
-        0.44 s with faults ahead on four threads, 0.58 s with one thread doing both).
-        """
+        """Copies out of the page cache on the copier threads (several CPUs, fewer than
+        ``threads``); the destinations' fresh pages are faulted in ahead of them on all threads,
+        since faulting in fresh memory waits on the hypervisor where the VM hands freed memory
+        back to its host, while the copy itself is CPU work."""
         futures = []
         for batch in self.batches(calls, self.config.read_size):
             faulted = self.threads().submit(_populate_batch, [call[-1] for call in batch])
@@ -182,12 +180,16 @@ class HostReader(Reader):
             self._direct[key] = direct.open_direct(fd)
         return self._direct[key]
 
+    @functools.cached_property
+    def _copier_count(self) -> int:
+        """Threads that copy out of the page cache: one per CPU the reader runs on, at most ``threads``."""
+        return min(self.config.threads, reader_cpu_count(self.config))
+
     def _copiers(self) -> ThreadPoolExecutor:
         if self._copy_pool is None:
-            n = min(self.config.threads, reader_cpu_count(self.config))
-            if n >= self.config.threads:
+            if self._copier_count >= self.config.threads:
                 return self.threads()
-            self._copy_pool = thread_pool(n, "fastload-copy", self.config.cpus)
+            self._copy_pool = thread_pool(self._copier_count, "fastload-copy", self.config.cpus)
         return self._copy_pool
 
     def close(self) -> None:

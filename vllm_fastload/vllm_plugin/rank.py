@@ -16,6 +16,7 @@ directly with vLLM's own layers.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import socket
@@ -29,7 +30,7 @@ from torch import nn
 
 import vllm_fastload
 from vllm_fastload import exchange
-from vllm_fastload.config import FastloadConfig
+from vllm_fastload.config import FastloadConfig, reader_cpu_count
 from vllm_fastload.errors import CheckpointError
 from vllm_fastload.readers.memory import Prefault
 from vllm_fastload.tensors import dtype_of, shape_of
@@ -221,10 +222,13 @@ def _load_through_model(model: nn.Module, ckpt: vllm_fastload.FastCheckpoint) ->
             current[:] = [name]
             yield name, tensor
 
+    # vLLM copies each tensor into its parameter: where the reader has several CPUs, fresh
+    # parameter pages are faulted in ahead of it on another thread, as the per-rank path does
+    # before reading into them (on one CPU that thread would only take turns with the copies).
+    several = reader_cpu_count(ckpt.config) > 1
     try:
-        # vLLM copies each tensor into its parameter: fresh parameter pages are faulted in
-        # ahead of it on another thread, as the per-rank path does before reading into them.
-        with Prefault((p.data for p in model.parameters()), cpus=ckpt.config.cpus):
+        with Prefault((p.data for p in model.parameters()), cpus=ckpt.config.cpus) if several \
+                else contextlib.nullcontext():
             loaded = model.load_weights(weights())
     except CheckpointError:
         raise
