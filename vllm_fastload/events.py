@@ -52,6 +52,9 @@ def resolve_callback(spec: str | LayerCallback) -> LayerCallback:
 class LoadProgress:
     """Tracks bytes and layer groups; drives callbacks, the tqdm bar and debug log lines."""
 
+    #: Seconds between redraws of the bar: each costs the loading thread about half a millisecond.
+    REFRESH_S = 0.5
+
     def __init__(self, *, total_bytes: int, total_layers: int,
                  callbacks: Sequence[str | LayerCallback] = (), show_bar: bool = False,
                  log_layers: bool = False, description: str = "fastload") -> None:
@@ -66,7 +69,8 @@ class LoadProgress:
         if show_bar and total_bytes:
             from tqdm.auto import tqdm
             self._bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1000,
-                             desc=description, dynamic_ncols=True, leave=True)
+                             desc=description, dynamic_ncols=True, leave=True,
+                             mininterval=self.REFRESH_S)
 
     @property
     def elapsed_s(self) -> float:

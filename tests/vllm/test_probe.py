@@ -101,6 +101,42 @@ def test_unsupported_loading_is_detected():
     assert result.unsupported and "computed from checkpoint data" in result.unsupported[0]
 
 
+class Keeping(nn.Module):
+    """A loader that keeps what it is given (a placeholder in the probe) as a parameter, a buffer
+    or a plain attribute, beside meta tensors the model had before loading."""
+
+    def __init__(self, keep: str) -> None:
+        super().__init__()
+        self.keep = keep
+        self.weight = nn.Parameter(torch.zeros(4), requires_grad=False)
+        self.inner = nn.Module()
+        self.inner.lazy = torch.empty(2, device="meta")  # the model's own, from before the load
+        self.inner.register_buffer("lazy_buffer", torch.empty(2, device="meta"))
+
+    def load_weights(self, weights):
+        for name, w in weights:
+            if name == "w":
+                self.weight.data.copy_(w)
+            elif self.keep == "attribute":
+                self.inner.kept = w
+            elif self.keep == "buffer":
+                self.inner.register_buffer("kept", w[:1])
+            elif self.keep == "parameter":
+                self.inner.kept = nn.Parameter(w, requires_grad=False)
+        return {"weight"}
+
+
+@pytest.mark.parametrize("keep", ["attribute", "buffer", "parameter", "nothing"])
+def test_placeholders_kept_by_the_model_are_refused(keep):
+    """A placeholder the model keeps would stay a meta tensor where the real load leaves data: the
+    probe refuses, naming it; the meta tensors the model had before the load are not its doing."""
+    result = probe_model(Keeping(keep), {"w": ((4,), torch.float32), "extra": ((4,), torch.float32)})
+    if keep == "nothing":
+        assert not result.unsupported
+    else:
+        assert result.unsupported == ["placeholders were kept by the model: inner.kept"]
+
+
 def test_partly_written_parameter_is_reported():
     class Stacked(nn.Module):
         def __init__(self) -> None:

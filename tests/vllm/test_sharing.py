@@ -40,7 +40,7 @@ def offer(where: Path, *, evicted: bool = False, **settings) -> tuple[bool, str 
         if evicted:  # after opening: reading the headers must not warm what is judged
             evict(list(ckpt.checkpoint.files))
         sharing = _Sharing(None)
-        sharing.decide(config, ckpt, infos)
+        sharing.decide(config, ckpt, infos, ckpt.cached_share())  # as a rank's load measures it first
         return sharing.offer(targets)
 
 
@@ -67,6 +67,34 @@ def test_a_cold_local_disk_shares_within_the_machine_and_a_warm_one_does_not(che
         assert offer(checkpoint, evicted=evicted, row_exchange="never") == (False, None)
         assert offer(checkpoint, evicted=evicted, plan_per_rank=False) == (False, None)
         assert offer(checkpoint, evicted=evicted, direct_io="never") == (False, None)
+
+
+def test_a_warm_checkpoint_is_judged_by_its_share_at_open(checkpoint: Path, monkeypatch):
+    """Where the share of the checkpoint cached as the load began leaves the row slices no room to
+    be under ``COLD``, ``offer`` declines without asking about each tensor's pages; just below that
+    bound, or with no share known, it asks, and what it asks decides."""
+    for path in checkpoint.glob("*.safetensors"):
+        path.read_bytes()
+    asked: list[list[str]] = []
+    real = vllm_fastload.FastCheckpoint.cached_share
+
+    def answer(self, names=None):
+        if names is not None:
+            asked.append(sorted(names))
+            return 0.0  # what a cold disk would say: sharing pays
+        return real(self, names)
+
+    monkeypatch.setattr(vllm_fastload.FastCheckpoint, "cached_share", answer)
+    ckpt, config, infos, targets = _open(checkpoint)
+    with ckpt:
+        sliced = sum(infos[name].nbytes for name in ROW_SLICES) / ckpt.checkpoint.total_bytes
+        bound = 1 - (1 - _Sharing.COLD) * sliced  # the lowest share at open that rules them out
+        for share, asks in ((1.0, False), (bound + 1e-9, False), (bound - 1e-6, True), (0.0, True), (None, True)):
+            asked.clear()
+            sharing = _Sharing(None)
+            sharing.decide(config, ckpt, infos, share)
+            assert sharing.offer(targets) == (asks, _machine()), share
+            assert asked == ([sorted(ROW_SLICES)] if asks else []), share
 
 
 def _agree_on_threads(world: int, offers: list, scopes: list) -> list:

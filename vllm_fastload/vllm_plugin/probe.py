@@ -112,13 +112,16 @@ class _MemoryIndex:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
+        #: Names of the model's meta tensors (parameters, buffers, plain attributes) when indexed.
+        self.meta: list[str] = []
         self._index()
 
     def _index(self) -> None:
+        parameters, buffers, self.meta = _tensors_of(self.model)
         spans = []
         seen = set()
         self.numel: dict[str, int] = {}
-        for name, t in [*self.model.named_parameters(), *self.model.named_buffers()]:
+        for name, t in [*parameters, *buffers]:
             if t.is_meta or t.numel() == 0 or t.data_ptr() in seen:
                 continue
             seen.add(t.data_ptr())
@@ -275,10 +278,11 @@ def _replace(obj, fn):
 
 
 class _Recorder(TorchFunctionMode):
-    def __init__(self, placeholders: Mapping[int, str], memory: _MemoryIndex, result: ProbeResult) -> None:
+    def __init__(self, placeholders: Mapping[str, torch.Tensor], memory: _MemoryIndex, result: ProbeResult) -> None:
         super().__init__()
-        self.placeholders = placeholders  # meta storage id -> checkpoint name
-        self.shapes: dict[int, tuple[int, ...]] = {}  # placeholder storage id -> tensor shape
+        #: meta storage id -> checkpoint name, and -> the tensor's shape
+        self.placeholders = {ph.untyped_storage()._cdata: name for name, ph in placeholders.items()}
+        self.shapes = {ph.untyped_storage()._cdata: tuple(ph.shape) for ph in placeholders.values()}
         self.derived: dict[int, _Derived] = {}
         #: (signature, view, destination shape) -> the write's view of its checkpoint tensor: every
         #: layer repeats the same derivation, so the index arithmetic runs once per distinct one.
@@ -452,39 +456,47 @@ class _Recorder(TorchFunctionMode):
 def probe_model(model: nn.Module, tensors: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> ProbeResult:
     """Run ``model.load_weights`` over placeholders for ``tensors`` (name -> (shape, dtype))."""
     result = ProbeResult()
-    placeholders: dict[int, str] = {}
     memory = _MemoryIndex(model)
-
-    keep: list[torch.Tensor] = []  # placeholders stay alive, so no other meta storage reuses their ids
-
-    def weights() -> Iterator[tuple[str, torch.Tensor]]:
-        for name, (shape, dtype) in tensors.items():
-            ph = torch.empty(shape, dtype=dtype, device="meta")
-            keep.append(ph)
-            placeholders[ph.untyped_storage()._cdata] = name
-            recorder.shapes[ph.untyped_storage()._cdata] = tuple(shape)
-            yield name, ph
-
+    meta_before = set(memory.meta)
+    # Made before the recorder starts, so that it sees only the model's own torch calls; alive
+    # until the probe ends, so that no other meta storage reuses their ids.
+    placeholders = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (shape, dtype) in tensors.items()}
     recorder = _Recorder(placeholders, memory, result)
-    meta_before = set(_meta_tensors_in(model))
     try:
         with recorder:
-            loaded = model.load_weights(weights())
+            loaded = model.load_weights(iter(placeholders.items()))
     except Exception as exc:
         result.unsupported.append(f"load_weights cannot run on placeholders: {type(exc).__name__}: {exc}")
         return result
     result.loaded_params = set(loaded) if loaded is not None else None
     result.numel = memory.numel  # after the probe: includes parameters registered during it
-    leftovers = [n for n in _meta_tensors_in(model) if n not in meta_before]
+    leftovers = [n for n in _tensors_of(model)[2] if n not in meta_before]
     if leftovers:
         result.unsupported.append(f"placeholders were kept by the model: {', '.join(leftovers[:5])}")
     return result
 
 
-def _meta_tensors_in(model: nn.Module) -> list[str]:
-    found = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    for mod_name, module in model.named_modules():
+def _tensors_of(model: nn.Module) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]], list[str]]:
+    """The model's parameters and buffers, named as ``named_parameters`` and ``named_buffers`` name
+    them, and the names of its meta tensors (parameters, buffers, plain module attributes), in one
+    walk over its modules: a walk took about 1 ms of a 16-layer Llama's 15 ms probe."""
+    parameters: list[tuple[str, torch.Tensor]] = []
+    buffers: list[tuple[str, torch.Tensor]] = []
+    meta: list[str] = []
+    seen_parameters: set[int] = set()
+    seen_buffers: set[int] = set()
+    for prefix, module in model.named_modules():
+        dot = f"{prefix}." if prefix else ""
+        for store, seen, found in ((module._parameters, seen_parameters, parameters),
+                                   (module._buffers, seen_buffers, buffers)):
+            for name, t in store.items():
+                if t is None or id(t) in seen:
+                    continue
+                seen.add(id(t))
+                found.append((dot + name, t))
+                if t.is_meta:
+                    meta.append(dot + name)
         for attr, value in vars(module).items():
             if isinstance(value, torch.Tensor) and value.is_meta:
-                found.append(f"{mod_name}.{attr}")
-    return found
+                meta.append(dot + attr)
+    return parameters, buffers, meta

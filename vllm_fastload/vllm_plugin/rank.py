@@ -119,7 +119,7 @@ def _load(model: nn.Module, path: str | list[str], config: FastloadConfig, devic
     with vllm_fastload.FastCheckpoint(path, config=config if config.plan_per_rank else whole, **open_kw) as ckpt:
         cached = ckpt.cached_share()
         infos = {name: ckpt.info(name) for name in ckpt.keys()}
-        sharing.decide(config, ckpt, infos)
+        sharing.decide(config, ckpt, infos, cached)
         tensors = {name: (shape_of(info), dtype_of(info)) for name, info in infos.items()}
         probe = (probe_model(model, tensors) if config.plan_per_rank else
                  ProbeResult(unsupported=["plan_per_rank is false in the fastload config"]))
@@ -307,11 +307,14 @@ class _Sharing:
         self.mode = "never"
         self.ckpt: vllm_fastload.FastCheckpoint | None = None
         self.infos: dict = {}
+        self.cached: float | None = None
 
-    def decide(self, config: FastloadConfig, ckpt: vllm_fastload.FastCheckpoint, infos: dict) -> None:
-        """What this rank will offer, once the checkpoint is open."""
+    def decide(self, config: FastloadConfig, ckpt: vllm_fastload.FastCheckpoint, infos: dict,
+               cached: float | None = None) -> None:
+        """What this rank will offer, once the checkpoint is open (``cached``: the share of it in
+        the page cache then)."""
         self.mode = config.row_exchange if config.plan_per_rank else "never"
-        self.ckpt, self.infos = ckpt, infos
+        self.ckpt, self.infos, self.cached = ckpt, infos, cached
 
     def offer(self, targets: dict | None) -> tuple[bool, str | None]:
         """Whether this rank offers to share the row reads of ``targets``, and the scope within
@@ -325,8 +328,20 @@ class _Sharing:
                 or self.ckpt.reader.name != "host"):
             return False, None
         sliced = exchange.candidates(targets, self.infos)
-        cached = self.ckpt.cached_share(sliced) if sliced else None
+        cached = self._sliced_cached(sliced) if sliced else None
         return cached is not None and cached < self.COLD, _machine()
+
+    def _sliced_cached(self, sliced: Mapping[str, object]) -> float | None:
+        """The share of the row-sliced tensors' bytes in the page cache. Where the whole
+        checkpoint's share as the load began leaves them no room to be under ``COLD`` (a warm
+        start), that bound, without asking the page cache about each tensor."""
+        assert self.ckpt is not None
+        part = sum(self.infos[name].nbytes for name in sliced)
+        if self.cached is not None and part:
+            at_least = 1 - (1 - self.cached) * self.ckpt.checkpoint.total_bytes / part
+            if at_least >= self.COLD:
+                return at_least
+        return self.ckpt.cached_share(sliced)
 
     def agree(self, targets: dict | None) -> exchange.RowExchange | None:
         if not self.pending:
