@@ -122,13 +122,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="vLLM load_weights with fastload vs vLLM's loaders, in subprocesses")
     p.add_argument("--model", default=None, help="a checkpoint directory, or bench-llama (1.67 GB, the default), "
                    "bench-llama-6g (6.46 GB, Llama-3-8B shapes with 10 layers) or bench-llama-SCHEME (the 1.67 GB "
-                   "one quantized; SCHEME: int8, fp8, int4, gptq, awq), made under .fastload/ on first use")
+                   "one quantized; SCHEME: int8, fp8, int4, gptq, awq), made under .fastload/ on first use; or a "
+                   "Hugging Face Hub id (org/name) in the local cache: each loader given the id and its cached "
+                   "snapshot as a directory (see --stand-in-hub)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repetitions (medians need >= 3)")
     p.add_argument("--tp", default="1,2", help="comma-separated TP sizes")
     p.add_argument("--loaders", default=None, help="comma-separated; default: the source's usual set, "
                    "of those that run here")
     p.add_argument("--cache", default=None, help="warm, cold, or warm,cold (the default; cold for --source sshfs)")
-    p.add_argument("--source", default="local", choices=["local", "sshfs", "s3"],
+    p.add_argument("--stand-in-hub", action="store_true",
+                   help="with --model org/name: serve the id from a stand-in Hub on loopback and a private cache "
+                        "(.fastload/hf-cache, bench-llama laid out under that id on first use), for machines "
+                        "without the Hub")
+    p.add_argument("--source", default="local", choices=["local", "sshfs", "s3", "hub"],
                    help="where the checkpoint is read from: a local directory; an sshfs mount of it served by a "
                         "private sshd on loopback; or s3rver on loopback (npm, installed into .fastload/s3rver) "
                         "(default checkpoint for both: the 0.31 GB netfs-llama)")
@@ -137,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="exit 1 if a named target is missed: 'all' or e.g. 'cold-tp1,disk-tp2=0.55' "
                         "(cold-tp1, cold-tp2, warm-floor, warm-default, disk-tp2, netfs-default, netfs-prefetch, "
                         "s3-bytes-tp2, s3-runai-tp2, s3-runai-tp1, s3-limit-tp1, model-cold-warm, model-cold-tp1, "
-                        "model-cold-tp2, model-warm, ready-cold, weights-warm-tp2)")
+                        "model-cold-tp2, model-warm, ready-cold, weights-warm-tp2, hub-cold)")
     p.add_argument("--release-memory", type=float, default=0, metavar="GIB",
                    help="first touch and free this much memory and wait a minute, so that fresh memory is slow "
                         "to touch as on a freshly started VM (free page reporting)")

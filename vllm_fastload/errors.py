@@ -45,6 +45,12 @@ class MissingFileError(CheckpointError):
     """A file the checkpoint (or its index) names does not exist or cannot be opened."""
 
 
+class OutsideCheckpointError(CheckpointError):
+    """An index names a file outside its checkpoint (``..``, an absolute path, another scheme or
+    bucket). Refused before anything is opened: a checkpoint from a third party must not make the
+    loader read the host's other files."""
+
+
 class IndexMismatchError(CheckpointError):
     """The index and the files disagree, or two files hold the same tensor."""
 

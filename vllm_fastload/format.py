@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 import math
+import posixpath
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from vllm_fastload.errors import (
     HeaderError,
+    OutsideCheckpointError,
     TensorMetadataError,
     TruncatedFileError,
 )
@@ -35,6 +37,8 @@ DTYPE_BITS: dict[str, int] = {
 
 #: Same limit as the safetensors library: a header over 100 MB is treated as corrupt.
 MAX_HEADER_BYTES = 100_000_000
+#: The most elements (and any dim, or product of leading dims) a shape may hold: torch's sizes are int64.
+MAX_ELEMENTS = 2**63 - 1
 INDEX_NAME = "model.safetensors.index.json"
 _ENTRY_KEYS = ("dtype", "shape", "data_offsets")
 
@@ -134,10 +138,16 @@ def _parse_entry(path: str, name: str, entry: object, data_len: int) -> tuple[st
             or not all(_is_int(o) for o in offsets)):
         raise TensorMetadataError(
             f"data_offsets must be two integers, got {offsets!r}", file=path, tensor=name)
+    numel = 1
+    for d in shape:  # left to right, as safetensors and torch multiply: no intermediate may overflow
+        numel *= d
+        if d > MAX_ELEMENTS or numel > MAX_ELEMENTS:
+            raise TensorMetadataError(f"shape {shape} overflows: its dims multiply past {MAX_ELEMENTS}",
+                                      file=path, tensor=name)
     begin, end = offsets
     if begin < 0 or end < begin:
         raise TensorMetadataError(f"data_offsets {offsets} are not a valid range", file=path, tensor=name)
-    bits = math.prod(shape) * DTYPE_BITS[dtype]
+    bits = numel * DTYPE_BITS[dtype]
     if bits % 8 or bits // 8 != end - begin:
         raise TensorMetadataError(
             f"dtype {dtype} x shape {shape} needs {bits / 8:g} bytes but data_offsets {offsets} "
@@ -168,6 +178,16 @@ def _check_layout(path: str, spans: list[tuple[int, int, str]], data_len: int) -
             f"data section is {data_len} bytes but the tensors cover {cursor}", file=path)
 
 
+def _is_unicode(text: str) -> bool:
+    """Whether ``text`` is a string of Unicode scalars: JSON's ``\\udXXX`` escapes can spell a lone
+    surrogate, which Python's json accepts and safetensors (and UTF-8) refuse."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def parse_header_bytes(path: str, raw: bytes, data_len: int) -> tuple[dict[str, tuple], dict[str, str]]:
     """Validate a header's JSON text; returns ``{name: (dtype, shape, begin, end)}`` and metadata."""
     try:
@@ -182,10 +202,15 @@ def parse_header_bytes(path: str, raw: bytes, data_len: int) -> tuple[dict[str, 
         raise HeaderError(f"header is not valid JSON: {exc}", file=path) from exc
     if not isinstance(doc, dict):
         raise HeaderError("header is not a JSON object", file=path)
-    metadata = doc.pop("__metadata__", None) or {}
+    metadata = doc.pop("__metadata__", None)
+    metadata = {} if metadata is None else metadata  # null is no metadata, as in safetensors
     if not isinstance(metadata, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise HeaderError("__metadata__ must map strings to strings", file=path)
+    for text in (*doc, *metadata, *metadata.values()):
+        if not _is_unicode(text):
+            raise HeaderError(f"header names {text!r}, which holds a lone surrogate (\\ud800-\\udfff): not a "
+                              "Unicode string", file=path)
     entries = {name: _parse_entry(path, name, entry, data_len) for name, entry in doc.items()}
     _check_layout(path, [(b, e, n) for n, (_, _, b, e) in entries.items()], data_len)
     return entries, metadata
@@ -220,13 +245,47 @@ def parse_file(source: Source, header: bytes) -> SafetensorsFile:
 
 
 def parse_weight_map(path: str, text: bytes) -> dict[str, str]:
-    """An index's ``weight_map`` (tensor -> file name), validated; errors name ``path``."""
+    """An index's ``weight_map`` (tensor -> file name inside the checkpoint), validated; errors name
+    ``path``. Each file name comes back normalised (``member_name``), so callers join it to the
+    checkpoint's directory or prefix and open nothing else."""
     try:
         doc = json.loads(text.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise HeaderError(f"cannot read index: {exc}", file=path) from None
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
         raise HeaderError("index has no 'weight_map' of tensor name -> file name", file=path)
-    return weight_map
+    members: dict[str, str] = {}  # each distinct entry checked once (a large index names few files)
+    for name, entry in weight_map.items():
+        if entry not in members:
+            members[entry] = member_name(path, name, entry)
+    return {name: members[entry] for name, entry in weight_map.items()}
+
+
+def member_name(index: str, tensor: str, entry: str) -> str:
+    """``entry``, a file name from the index at ``index``, as a relative path that stays inside the
+    checkpoint, resolved lexically (``sub/../a.safetensors`` is ``a.safetensors``).
+
+    Lexically, not through the filesystem: a checkpoint's own file may be a symlink to elsewhere
+    (the Hugging Face cache links each snapshot file to ``../../blobs/``), and it is the
+    checkpoint's file wherever it points; what the index may not do is name a path that leaves
+    the directory (or object prefix): ``..``, an absolute path, a URI of another store or bucket.
+    The caller opens the normalised name, so the kernel never walks a ``..`` either.
+    """
+    def refuse(why: str) -> OutsideCheckpointError:
+        return OutsideCheckpointError(f"index entry {entry!r} for this tensor {why}; fastload reads only the "
+                                      "checkpoint's own files", file=index, tensor=tensor)
+
+    if not entry or "\0" in entry:
+        raise refuse("is empty or holds a NUL byte")
+    if "://" in entry:
+        raise refuse("names another store or scheme")
+    if entry.startswith(("/", "\\")):
+        raise refuse("is an absolute path")
+    name = posixpath.normpath(entry)
+    if name == ".." or name.startswith("../"):
+        raise refuse("leaves the checkpoint's directory")
+    if name == ".":
+        raise refuse("names the checkpoint's directory itself, not a file in it")
+    return name

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from vllm_fastload.errors import CheckpointError, MissingFileError
+from vllm_fastload.errors import CheckpointError, MissingFileError, OutsideCheckpointError
 from vllm_fastload.tools.checkpoints import write_checkpoint
 from vllm_fastload.tools.demo import DEMO_SPEC
 from vllm_fastload.vllm_plugin import compat
@@ -177,3 +177,16 @@ def test_secondary_weights_load_through_vllms_default_loader(tmp_path, caplog):
     assert torch.equal(fast.layers[2].weight, _tensor(2))
     assert loader.report["fallback_reason"] == "secondary_weights"
     assert any(f"also loads weights from {tower} (secondary_weights)" in r.getMessage() for r in caplog.records)
+
+
+def test_allow_patterns_overrides_never_reach_outside_the_checkpoint(tmp_path):
+    """A pattern is the model's, but what it matches must still be the checkpoint's own files."""
+    names = [f"layers.{i}.weight" for i in range(3)]
+    path = _write(tmp_path / "ckpt", {"model.safetensors": {n: _tensor(i) for i, n in enumerate(names)}}, index=False)
+    save_file({n: _tensor(i) for i, n in enumerate(names)}, tmp_path / "outside.safetensors")
+
+    class Escaping(Tiny):
+        allow_patterns_overrides = ["../outside*.safetensors"]
+
+    with pytest.raises(OutsideCheckpointError, match=r"Escaping\.allow_patterns_overrides .* outside the checkpoint"):
+        _load("fastload", Escaping(), path)

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import vllm_fastload
 from vllm_fastload.bench.machine import MachineState, evict, release_memory
+from vllm_fastload.sources.hub import is_repo_id
 from vllm_fastload.tools.checkpoints import write_checkpoint, write_random_checkpoint
 from vllm_fastload.tools.processes import remove_logged_cpu_shm
 from vllm_fastload.tools.quantize import SCHEMES, quantize_checkpoint
@@ -70,7 +71,13 @@ LOADERS: dict[str, tuple[str, dict | None]] = {
     "memcopy (copy floor)": ("memcopy", None),
     "fastsafetensors": ("fastsafetensors", None),
     "instanttensor": ("instanttensor", None),
+    # --model org/name: the same loaders given the Hub id (the rows without the suffix get its
+    # cached snapshot as a directory).
+    "fastload-hub-id": ("fastload", None),
+    "safetensors-hub-id": ("safetensors", None),
 }
+#: Loaders that are given the Hub id rather than a directory.
+HUB_ID_LOADERS = {"fastload-hub-id", "safetensors-hub-id"}
 #: Loaders that differ in ``LLM(...)`` arguments rather than in their extra config.
 LLM_KWARGS: dict[str, dict] = {"safetensors-prefetch": {"safetensors_load_strategy": "prefetch"}}
 #: The loaders a source measures unless ``--loaders`` says otherwise.
@@ -81,10 +88,11 @@ SOURCE_LOADERS: dict[str, list[str]] = {
     # safetensors+download: the default loader on a local copy, downloaded right before the start
     # (its time is added to load_weights).
     "s3": ["fastload", "runai_streamer", "runai_streamer-distributed", "safetensors+download"],
+    "hub": ["fastload", "fastload-hub-id", "safetensors", "safetensors-hub-id"],
 }
 #: Default page-cache states per source: a network filesystem is measured cold (its server's
 #: and the client's page cache evicted): a warm client cache would not be a network read.
-SOURCE_CACHE = {"local": "warm,cold", "sshfs": "cold", "s3": "cold"}
+SOURCE_CACHE = {"local": "warm,cold", "sshfs": "cold", "s3": "cold", "hub": "warm,cold"}
 #: Reference loaders that read no file (see the module docstring).
 REFERENCES = {"zerofill (floor)", "memcopy (copy floor)"}
 #: runai_streamer-distributed: vLLM 0.32 reads ``distributed`` only on CUDA/ROCm (each rank
@@ -194,7 +202,21 @@ def main(args: argparse.Namespace) -> int:
         tps = [int(t) for t in args.tp.split(",")]
         with S3Bench(local, ranks=max(tps), work=Path(args.out) / "s3-copies") as s3:
             return run_bench(args, s3.uri, source, wanted_targets, s3=s3)
+    if source == "hub" or _hub_id(args.model):
+        from vllm_fastload.bench.hubbench import hub_checkpoint
+
+        if not _hub_id(args.model):
+            raise SystemExit("--source hub needs --model org/name (a Hugging Face Hub id)")
+        wanted_targets = parse_targets(args.targets, "hub")
+        with hub_checkpoint(args.model, stand_in=getattr(args, "stand_in_hub", False)) as hub:
+            print(f"hub id {hub.repo_id}, served by {hub.served_by}; its cached snapshot {hub.snapshot}", flush=True)
+            return run_bench(args, hub.snapshot, "hub", wanted_targets, hub=hub)
     return run_bench(args, bench_checkpoint(args.model), source, wanted_targets)
+
+
+def _hub_id(model: str | None) -> bool:
+    """Whether ``--model`` is a Hub id (``org/name``; a preset or a path is not)."""
+    return bool(model) and "/" in model and is_repo_id(model)
 
 
 def bench_checkpoint(model: str | None) -> str:
@@ -226,14 +248,18 @@ def select_loaders(source: str, loaders: str | None) -> tuple[list[str], dict[st
         names = [n for n in names if n in wanted or n.split(" ")[0] in wanted]
     if source != "s3" and "safetensors+download" in names:
         raise SystemExit("safetensors+download needs --source s3 (it downloads the checkpoint from the store)")
+    if source != "hub" and HUB_ID_LOADERS & set(names):
+        raise SystemExit(f"{', '.join(sorted(HUB_ID_LOADERS & set(names)))}: need --model org/name (a Hub id)")
     return names, skipped
 
 
 def run_bench(args: argparse.Namespace, model: str, source: str, wanted_targets: dict[str, float],
-              server_files: list[str] | None = None, s3=None) -> int:
+              server_files: list[str] | None = None, s3=None, hub=None) -> int:
     """Measure every loader on ``model``; ``server_files``: the files behind a network mount,
     evicted too before every cold start (the server's page cache is the network FS's disk);
-    ``s3``: a ``bench.s3bench.S3Bench`` when ``model`` is an object URI."""
+    ``s3``: a ``bench.s3bench.S3Bench`` when ``model`` is an object URI; ``hub``: a
+    ``bench.hubbench.HubCheckpoint`` when ``model`` is a Hub id's snapshot (the ``-hub-id``
+    loaders are given the id)."""
     if s3 is not None:
         files, server_files, total = [], s3.server_files(), s3.checkpoint_bytes
     else:
@@ -284,7 +310,10 @@ def run_bench(args: argparse.Namespace, model: str, source: str, wanted_targets:
                         evict(files + (server_files or []))
                     else:
                         warm_up(files)
-                    if s3 is None:
+                    if hub is not None:
+                        res = run_once(hub.repo_id if name in HUB_ID_LOADERS else model, name, tp, work, cache,
+                                       hub.env)
+                    elif s3 is None:
                         res = run_once(model, name, tp, work, cache)
                     else:
                         res = s3.run(name, tp, functools.partial(_start_s3, name=name, tp=tp, work=work, cache=cache))
@@ -501,6 +530,8 @@ TARGETS: dict[str, tuple[float, str]] = {
     "ready-cold": (1.00, "cold, every TP: fastload / default loader, process start to engine ready"),
     "weights-warm-tp2": (1.00, "TP=2 warm: fastload / default loader, load_weights (at TP=2 the copy out of the "
                                "page cache on the rank's core is the floor, not the zero-fill)"),
+    "hub-cold": (1.10, "--model org/name, cold, every TP: fastload given the Hub id / fastload given its cached "
+                       "snapshot as a directory, load_model"),
 }
 
 
@@ -508,7 +539,8 @@ TARGETS: dict[str, tuple[float, str]] = {
 SOURCE_TARGETS = {"local": ["cold-tp1", "cold-tp2", "warm-floor", "warm-default", "disk-tp2", "model-cold-warm",
                             "model-cold-tp1", "model-cold-tp2", "model-warm", "ready-cold", "weights-warm-tp2"],
                   "sshfs": ["netfs-default", "netfs-prefetch"],
-                  "s3": ["s3-bytes-tp2", "s3-runai-tp2", "s3-runai-tp1", "s3-limit-tp1"]}
+                  "s3": ["s3-bytes-tp2", "s3-runai-tp2", "s3-runai-tp1", "s3-limit-tp1"],
+                  "hub": ["hub-cold"]}
 
 
 def parse_targets(spec: str | None, source: str = "local") -> dict[str, float]:
@@ -579,7 +611,7 @@ def check_targets(rows: list[dict], targets: dict[str, float], bounds: dict[str,
                         else "rows not measured")
         elif name.startswith("s3-"):
             _s3_verdict(rows, name, limit, verdict)
-        elif name.startswith(("model-", "ready-", "weights-")):
+        elif name.startswith(("model-", "ready-", "weights-", "hub-")):
             _startup_verdict(rows, name, limit, verdict)
         elif name == "disk-tp2":
             fls = [r for r in rows if r["tp"] == "tp2" and r["loader"] == "fastload" and "error" not in r]
@@ -619,7 +651,10 @@ _STARTUP = {
     "model-warm": ("load_model", "warm", "warm", "safetensors"),
     "ready-cold": ("ready", "cold", "cold", "safetensors"),
     "weights-warm-tp2": ("seconds", "warm", "warm", "safetensors"),
+    "hub-cold": ("load_model", "cold", "cold", "fastload"),
 }
+#: Targets whose fastload row is another loader's (name -> loader).
+_STARTUP_LOADER = {"hub-cold": "fastload-hub-id"}
 
 
 def _startup_verdict(rows: list[dict], name: str, limit: float, verdict) -> None:
@@ -628,15 +663,16 @@ def _startup_verdict(rows: list[dict], name: str, limit: float, verdict) -> None
     metric, cache, other_cache, other = _STARTUP[name]
     named = re.search(r"-(tp\d+)$", name)
     tps = [named.group(1)] if named else sorted({r["tp"] for r in rows if r["loader"] == "fastload"})
+    loader = _STARTUP_LOADER.get(name, "fastload")
     for tp in tps or ["tp?"]:
-        fl, base = _row(rows, tp, cache, "fastload"), _row(rows, tp, other_cache, other)
+        fl, base = _row(rows, tp, cache, loader), _row(rows, tp, other_cache, other)
         key = f"{metric}_median"
         if not (fl and base and fl.get(key) and base.get(key)):
             verdict(name, tp, None, limit, "rows not measured")
             continue
         label = "load_weights" if metric == "seconds" else metric
         verdict(name, tp, fl[key] / base[key], limit,
-                f"{label} {fl[key]:.2f} s ({cache} fastload) / {base[key]:.2f} s ({other_cache} {other})")
+                f"{label} {fl[key]:.2f} s ({cache} {loader}) / {base[key]:.2f} s ({other_cache} {other})")
 
 
 def _warm_verdict(rows: list[dict], name: str, tp: str, limit: float, verdict) -> None:

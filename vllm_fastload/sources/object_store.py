@@ -657,8 +657,10 @@ async def _discover(store: Store, root: ObjectURI) -> RemoteLayout:
         layout = await _from_index(store, root, index) if index != INDEX_NAME else usual
         if isinstance(layout, BaseException):
             raise layout
+        listed = {o.key for o in listing}
         for key in layout.keys:
-            if key.rsplit("/", 1)[-1] not in names:
+            # Only direct children are listed; an object further down is checked when it is opened.
+            if key not in listed and "/" not in key.removeprefix(root.child("").key):
                 example = next(t for t, f in layout.weight_map.items() if root.child(f).key == key)
                 raise MissingFileError(f"index {index} maps tensors to this object but it does not exist",
                                        file=store.uri_of(key), tensor=example)

@@ -37,8 +37,12 @@ HOLD_S = 600.0
 
 def start(vllm_config: Any) -> None:
     """Read the checkpoint of ``vllm_config`` into the page cache, once per path in a process tree."""
+    from vllm_fastload.sources.hub import NotCachedError
+
     try:
         _start(vllm_config)
+    except NotCachedError as exc:
+        logger.info("fastload: no early reads: %s; vLLM downloads it and fastload reads it at load time", exc)
     except Exception as exc:  # best effort: the loader reads at load time regardless
         logger.info("fastload: no early reads (%s: %s)", type(exc).__name__, exc)
 
@@ -50,14 +54,18 @@ def _start(vllm_config: Any) -> None:
     path = getattr(model_config, "model_weights", "") or model_config.model
     if os.environ.get(STARTED_ENV) == path or _is_rank():
         return
-    extra = getattr(vllm_config.load_config, "model_loader_extra_config", None) or {}
-    files = files_to_read(path, extra)
-    if not files:
-        return
     ranks = _local_ranks(vllm_config)
     if not ranks:
         return  # no rank loads on this node (an API server without engines of its own)
+    # Decided once per model in a process tree, whatever the outcome: the processes vLLM starts from
+    # here verify the config again, by then perhaps while the load is under way or over.
     os.environ[STARTED_ENV] = path
+    load_config = vllm_config.load_config
+    extra = getattr(load_config, "model_loader_extra_config", None) or {}
+    files = files_to_read(path, extra, revision=getattr(model_config, "revision", None),
+                          download_dir=getattr(load_config, "download_dir", None))
+    if not files:
+        return
     marks = LoadMarks(ranks)  # removed when the reads end, or at this process's exit
     os.environ[MARKS_ENV] = marks.directory
     reads = None
@@ -68,29 +76,57 @@ def _start(vllm_config: Any) -> None:
             marks.remove()
             os.environ.pop(MARKS_ENV, None)
     if reads is not None:
-        logger.info("fastload: early reads: %d checkpoint files (%.2f GB) into the page cache while vLLM starts",
-                    len(files), sum(os.path.getsize(f) for f in files) / 1e9)
+        source = "" if os.path.isdir(path) else f" of {path} (its cached snapshot {_snapshot_of(files[0])})"
+        logger.info("fastload: early reads: %d checkpoint files (%.2f GB)%s into the page cache while vLLM starts",
+                    len(files), sum(os.path.getsize(f) for f in files) / 1e9, source)
 
 
-def files_to_read(path: str, extra: dict[str, Any]) -> list[str]:
+def files_to_read(path: str, extra: dict[str, Any], *, revision: str | None = None,
+                  download_dir: str | None = None) -> list[str]:
     """The checkpoint files to read early for a model at ``path`` loaded with fastload's ``extra``
     config (the environment's ``FASTLOAD_*`` under it); none where early reads are off, and with
-    'auto' none on a network filesystem."""
+    'auto' none on a network filesystem.
+
+    A Hugging Face id (``org/name``) is its snapshot at ``revision`` in the local cache (or
+    ``download_dir``), resolved without the network as vLLM's download step will resolve it;
+    ``NotCachedError`` where the cache lacks it. Where the Hub has a newer revision, vLLM's config
+    step has already fetched its ``config.json`` and moved the cache's ref to it, so its snapshot
+    lacks the weights: no early reads, and the load reads that revision once vLLM has downloaded
+    it. Early reads only warm the page cache; the load reads whatever the download step hands it."""
     from vllm_fastload.checkpoint import Checkpoint
     from vllm_fastload.config import FastloadConfig
-    from vllm_fastload.sources import fstype, is_remote
+    from vllm_fastload.errors import MissingFileError
+    from vllm_fastload.sources import fstype, hub, is_remote
 
-    if is_remote(path) or not os.path.isdir(path):
-        return []  # object stores and Hugging Face ids: nowhere on this node to read into yet
+    if is_remote(path):
+        return []  # an object store: nothing on this node's disks to read ahead
+    if not os.path.isdir(path) and not hub.is_repo_id(path):
+        return []
     mode = FastloadConfig.from_env(**extra).early_reads
     if mode == "never":
         return []
-    ckpt = Checkpoint.discover(path)
+    if os.path.isdir(path):
+        ckpt = Checkpoint.discover(path)
+    else:
+        snapshot = hub.cached_snapshot(path, revision=revision, cache_dir=download_dir)
+        try:
+            ckpt = Checkpoint.discover(snapshot)
+        except MissingFileError as exc:  # e.g. vLLM fetched a newer revision's config.json, not its weights yet
+            raise hub.NotCachedError(f"the cached snapshot of {path} at revision {revision or 'main'} lacks "
+                                     f"weight files ({exc.reason})") from None
     files = sorted(ckpt.files)
     ckpt.close()
     if mode == "auto" and not all(_local(fstype.filesystem_type(f)) for f in files):
         return []
     return files
+
+
+def _snapshot_of(file: str) -> str:
+    """The commit a file of a Hugging Face cache snapshot belongs to (``snapshots/<commit>/...``), shortened."""
+    parts = file.split(os.sep)[:-1]
+    if "snapshots" not in parts:
+        return os.path.dirname(file)
+    return parts[len(parts) - parts[::-1].index("snapshots")][:12]
 
 
 def _local(filesystem: str) -> bool:

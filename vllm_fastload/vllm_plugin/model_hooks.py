@@ -19,7 +19,7 @@ from collections.abc import Callable
 from torch import nn
 
 from vllm_fastload.checkpoint import read_safetensors_file
-from vllm_fastload.errors import CheckpointError, MissingFileError
+from vllm_fastload.errors import CheckpointError, MissingFileError, OutsideCheckpointError
 from vllm_fastload.format import INDEX_NAME, parse_weight_map
 from vllm_fastload.sources import is_remote
 from vllm_fastload.vllm_plugin import compat
@@ -61,6 +61,11 @@ def checkpoint_files(model: nn.Module, path: str) -> list[str] | None:
 def _first_match(root: str, patterns: list[str], model: str) -> list[str]:
     for pattern in patterns:
         files = sorted(glob.glob(os.path.join(root, pattern)))
+        outside = [f for f in files if os.path.relpath(f, root).split(os.sep)[0] == ".."]
+        if outside:
+            raise OutsideCheckpointError(f"{model}.allow_patterns_overrides ({patterns}) selects a file outside the "
+                                         "checkpoint's directory; fastload reads only the checkpoint's own files",
+                                         file=outside[0])
         if files:
             other = [f for f in files if not f.endswith(".safetensors")]
             if other:
