@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from vllm_fastload import policy
 from vllm_fastload.buffers import BufferPool
 from vllm_fastload.checkpoint import Checkpoint
 from vllm_fastload.config import FastloadConfig
@@ -137,13 +138,13 @@ class FastCheckpoint:
 
     @property
     def strided_min_skip(self) -> int:
-        """Configured, else decided by the source kind: for objects the store's ``coalesce_gap`` (a
-        request costs about as much as that many bytes), for local files the reader's default."""
-        if self.config.strided_min_skip is not None:
-            return int(self.config.strided_min_skip)
-        if self.checkpoint.is_remote:
-            return int(self.config.remote.coalesce_gap)
-        return self.reader.default_strided_min_skip
+        """The ``strided_min_skip`` plans use: configured, else by the source kind
+        (``policy.strided_min_skip``)."""
+        configured = self.config.strided_min_skip
+        remote = self.checkpoint.is_remote
+        return policy.strided_min_skip(configured=None if configured is None else int(configured), remote=remote,
+                                       coalesce_gap=int(self.config.remote.coalesce_gap),
+                                       reader_default=0 if remote else self.reader.default_strided_min_skip)
 
     def plan(self, requests: Iterable[RequestLike] | None = None, *,
              dests: Mapping[str, torch.Tensor] | None = None) -> Plan:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_fastload.sizes import round_up
+
 ALLOC_GRANULE = 2 << 20
 #: Rounding used instead of ALLOC_GRANULE when the budget is too small for such granules.
 SMALL_GRANULE = 4096
@@ -40,10 +42,6 @@ class Buffer:
         return self.tensor.numel()
 
 
-def _round_up(n: int, granule: int = ALLOC_GRANULE) -> int:
-    return -(-n // granule) * granule
-
-
 class BufferPool:
     """Hands out buffers of at least N bytes; total bytes held never exceed ``budget``."""
 
@@ -64,8 +62,8 @@ class BufferPool:
         The executor keeps several chunks in flight, each in its own buffer: rounding a 256 KiB
         chunk up to a 2 MiB granule in a 2 MiB budget would leave room for one buffer only.
         """
-        size = _round_up(nbytes)
-        return size if size * BUFFERS_IN_USE <= self.budget else _round_up(nbytes, SMALL_GRANULE)
+        size = round_up(nbytes, ALLOC_GRANULE)
+        return size if size * BUFFERS_IN_USE <= self.budget else round_up(nbytes, SMALL_GRANULE)
 
     def _reclaim(self) -> None:
         """Move parked buffers whose views are all gone back to the free list (lock held)."""

@@ -29,6 +29,7 @@ import torch
 from vllm_fastload.errors import CheckpointError
 from vllm_fastload.format import TensorInfo
 from vllm_fastload.plan import LayerGroup, TensorRequest
+from vllm_fastload.sizes import round_up
 from vllm_fastload.tensors import dtype_of, shape_of
 
 #: Result key suffix of a rank's whole-row read of a shared tensor.
@@ -38,7 +39,7 @@ PIECE_ALIGN = 16
 
 
 def _padded(nbytes: int) -> int:
-    return -(-nbytes // PIECE_ALIGN) * PIECE_ALIGN
+    return round_up(nbytes, PIECE_ALIGN)
 
 
 @dataclass(frozen=True)

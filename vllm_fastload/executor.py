@@ -1,9 +1,15 @@
 """Executes a plan: bounded read-ahead, buffers from the pool, results in layer order, events.
 
-One generator drives everything, so the order of side effects is easy to follow:
-submit chunks ahead while the budget allows -> wait for the next chunk -> check the file did
-not change -> yield its tensors -> (caller asks for more) -> release the buffer -> when a
-layer group's last tensor was consumed, fire its event.
+Each chunk travels as a ``Delivery`` of its kind, all with one contract: ``start`` its reads,
+``wait`` for them, ``deliver`` its tensors, and hand back what it holds (``held``, ``drain``):
+
+- ``DirectDelivery``: the reads land in the caller's own tensors (``read_into``);
+- ``BufferedDelivery``: the reads land in a pool buffer, the tensors are views of it;
+- ``MappedDelivery``: no reads; the tensors are views of a private mapping of the file.
+
+``PlanExecutor.run`` is the loop: the next chunk from the read-ahead (``ReadAhead``) -> check the
+file did not change -> yield its tensors -> hand the previous chunk's buffer back -> when a layer
+group's last chunk was consumed, fire its event.
 """
 
 from __future__ import annotations
@@ -11,31 +17,26 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from vllm_fastload import policy
 from vllm_fastload.buffers import Buffer, BufferPool
 from vllm_fastload.checkpoint import Checkpoint
 from vllm_fastload.config import FastloadConfig
 from vllm_fastload.errors import CheckpointError, PlanError
 from vllm_fastload.events import LoadProgress
+from vllm_fastload.format import SafetensorsFile
 from vllm_fastload.plan import Chunk, LayerGroup, Plan, PlannedTensor
-from vllm_fastload.readers import Pending, Reader
+from vllm_fastload.readers import Call, Pending, ReadCall, Reader, RowsCall
 from vllm_fastload.tensors import byte_view, torch_dtype, view_tensor
 
 logger = logging.getLogger("vllm_fastload")
 
-
-@dataclass
-class _InFlight:
-    chunk: Chunk
-    buffer: Buffer | None
-    pending: Pending
-    #: Where the chunk is delivered as views of a mapping (see ``_mapped``): its bytes, and the
-    #: file offset of the first.
-    mapped: tuple[torch.Tensor, int] | None = None
+#: What the executor yields: a planned tensor and its bytes as a tensor.
+Delivered = tuple[PlannedTensor, torch.Tensor]
 
 
 @dataclass
@@ -48,6 +49,117 @@ class LoadStats:
     peak_buffer_bytes: int = 0
     buffers_handed_over: int = 0
     oversize_tensors: int = 0
+
+
+class Delivery:
+    """One chunk on its way to the caller (see the module docstring for the kinds)."""
+
+    def __init__(self, chunk: Chunk) -> None:
+        self.chunk = chunk
+        #: Reads in flight; None once waited for (or where there are none).
+        self.pending: Pending | None = None
+
+    def wait(self) -> None:
+        """Wait for the chunk's reads; an I/O error from the reader (which knows only offsets)
+        gets the tensors' names."""
+        if self.pending is None:
+            return
+        try:
+            self.pending.wait()
+        except CheckpointError as exc:
+            if exc.tensor is not None:
+                raise
+            names = list(dict.fromkeys(t.info.name for t, _ in self.chunk.tensors))  # checkpoint names, not keys
+            where = f" while reading {', '.join(names[:3])}{' and others' if len(names) > 3 else ''}"
+            raise type(exc)(exc.reason + where, file=exc.file, tensor=names[0] if names else None) from exc
+        self.pending = None
+
+    def deliver(self) -> Iterator[Delivered]:
+        """Yield ``(planned tensor, tensor)`` for each of the chunk's tensors, in plan order."""
+        raise NotImplementedError
+
+    @property
+    def recycles(self) -> bool:
+        """Whether handing this chunk over passes the previous chunk's buffer back (see ``run``)."""
+        return True
+
+    def held(self) -> Buffer | None:
+        """The pool buffer to hand back once the caller has moved past this chunk; taken once."""
+        return None
+
+    def drain(self, pool: BufferPool) -> None:
+        """Stop: reads still running finish, then what the chunk holds goes back to the pool (which
+        reuses a buffer only once the caller holds no view of it)."""
+        if self.pending is not None:
+            self.pending.wait_quietly()
+            self.pending = None
+        buf = self.held()
+        if buf is not None:
+            pool.release(buf)
+
+
+class DirectDelivery(Delivery):
+    """Reads straight into the caller's tensors (``PlannedTensor.dest``): no buffer."""
+
+    def __init__(self, chunk: Chunk, calls: list[Call]) -> None:
+        super().__init__(chunk)
+        self.calls = calls
+
+    def start(self, reader: Reader, sf: SafetensorsFile, stats: LoadStats) -> None:
+        stats.bytes_read += _direct_bytes(self.chunk)
+        stats.chunks += 1
+        self.pending = reader.submit(sf, self.calls)
+
+    def deliver(self) -> Iterator[Delivered]:
+        for t, _ in self.chunk.tensors:
+            assert isinstance(t.dest, torch.Tensor)
+            yield t, t.dest
+
+    @property
+    def recycles(self) -> bool:
+        return False
+
+
+class BufferedDelivery(Delivery):
+    """Reads into a pool buffer; the caller gets views of it."""
+
+    def __init__(self, chunk: Chunk, buffer: Buffer) -> None:
+        super().__init__(chunk)
+        self.buffer: Buffer | None = buffer
+
+    def start(self, reader: Reader, sf: SafetensorsFile, stats: LoadStats) -> None:
+        assert self.buffer is not None
+        into = self.buffer.tensor
+        calls: list[Call] = [RowsCall(op.rows, into[op.buf_offset:op.buf_offset + op.length]) if op.rows is not None
+                             else ReadCall(op.file_offset, op.length, into[op.buf_offset:op.buf_offset + op.length])
+                             for op in self.chunk.ops]
+        stats.bytes_read += sum(op.length for op in self.chunk.ops)
+        stats.chunks += 1
+        self.pending = reader.submit(sf, calls)
+
+    def deliver(self) -> Iterator[Delivered]:
+        assert self.buffer is not None
+        for t, pos in self.chunk.tensors:
+            yield t, view_tensor(self.buffer.tensor[pos:pos + t.read_bytes], t)
+
+    def held(self) -> Buffer | None:
+        buf, self.buffer = self.buffer, None
+        return buf
+
+
+class MappedDelivery(Delivery):
+    """No reads: the caller gets views of a private mapping of the file (``Reader.mapped``)."""
+
+    def __init__(self, chunk: Chunk, window: torch.Tensor, first: int, stats: LoadStats) -> None:
+        super().__init__(chunk)
+        self.window, self.first = window, first
+        stats.bytes_read += sum(t.read_bytes for t, _ in chunk.tensors)
+        stats.chunks += 1
+
+    def deliver(self) -> Iterator[Delivered]:
+        for t, _ in self.chunk.tensors:
+            offset = t.ranges[0][0] - self.first
+            yield t, view_tensor(self.window[offset:offset + t.read_bytes], t)
 
 
 def _after_consumer_work(chunk: Chunk, buf: Buffer | None) -> None:
@@ -68,20 +180,21 @@ def _after_consumer_work(chunk: Chunk, buf: Buffer | None) -> None:
             stream.synchronize()
 
 
-def _direct_calls(chunk: Chunk) -> list:
+def _direct_calls(chunk: Chunk) -> list[Call]:
     """The read calls of a chunk read straight into the caller's tensors."""
-    calls: list = []
+    calls: list[Call] = []
     for t, _ in chunk.tensors:
+        assert isinstance(t.dest, torch.Tensor)
         dest = byte_view(t.dest)
         if dest.numel() != t.needed_bytes:
             raise PlanError(f"a read of {t.needed_bytes} bytes was given a {dest.numel()}-byte destination",
                             file=t.info.file, tensor=t.key)
         if t.rows is not None:
-            calls.append((t.rows, dest))  # one call per sliced tensor, not one per row
+            calls.append(RowsCall(t.rows, dest))  # one call per sliced tensor, not one per row
             continue
         pos = 0
         for offset, length in t.ranges:
-            calls.append((offset, length, dest[pos:pos + length]))
+            calls.append(ReadCall(offset, length, dest[pos:pos + length]))
             pos += length
     return calls
 
@@ -90,7 +203,7 @@ def _direct_bytes(chunk: Chunk) -> int:
     return sum(t.read_bytes for t, _ in chunk.tensors)
 
 
-def _mapped(reader: Reader, sf, chunk: Chunk) -> tuple[torch.Tensor, int] | None:
+def _mapped(reader: Reader, sf: SafetensorsFile, chunk: Chunk) -> tuple[torch.Tensor, int] | None:
     """The chunk's bytes where a buffered chunk can be handed out as views of a mapping of the
     file instead of read into a buffer (the reader decides: cached, local, mappable); None to read
     it. Each tensor must be one aligned range of the file (row slices read segment by segment are
@@ -112,16 +225,73 @@ def _mapped(reader: Reader, sf, chunk: Chunk) -> tuple[torch.Tensor, int] | None
     return reader.mapped(sf, ranges)
 
 
-def _wait_naming_tensors(item: _InFlight) -> None:
-    """Wait for a chunk; an I/O error from the reader (which knows only offsets) gets the tensor's name."""
-    try:
-        item.pending.wait()
-    except CheckpointError as exc:
-        if exc.tensor is not None:
+class ReadAhead:
+    """The chunks submitted ahead of the one being delivered: ``policy.CHUNKS_IN_FLIGHT``, and
+    beyond that chunks read into the caller's own tensors as far ahead as the reader asks for
+    (``Reader.direct_read_ahead``)."""
+
+    def __init__(self, executor: PlanExecutor, chunks: Sequence[Chunk]) -> None:
+        self.executor = executor
+        self.chunks = chunks
+        self.next_index = 0
+        self.in_flight: deque[Delivery] = deque()
+        # Direct chunks' read calls are made before the first read starts: made between reads,
+        # each tensor op waits for the GIL behind the reader's threads.
+        self.prepared = {i: _direct_calls(chunk) for i, chunk in enumerate(chunks) if chunk.direct}
+
+    def next(self) -> Delivery:
+        """The next chunk, its reads done (later chunks submitted first)."""
+        self._fill()
+        item = self.in_flight.popleft()
+        try:
+            item.wait()
+        except BaseException:
+            self.in_flight.appendleft(item)  # drained with the rest
             raise
-        names = list(dict.fromkeys(t.info.name for t, _ in item.chunk.tensors))  # checkpoint names, not keys
-        where = f" while reading {', '.join(names[:3])}{' and others' if len(names) > 3 else ''}"
-        raise type(exc)(exc.reason + where, file=exc.file, tensor=names[0] if names else None) from exc
+        return item
+
+    def drain(self, pool: BufferPool) -> None:
+        """Wait for every read still in flight and hand their buffers back."""
+        while self.in_flight:
+            self.in_flight.popleft().drain(pool)
+
+    def _room_for(self, chunk: Chunk) -> bool:
+        if len(self.in_flight) < policy.CHUNKS_IN_FLIGHT:
+            return True
+        ahead_limit = self.executor.reader.direct_read_ahead
+        if ahead_limit <= 0 or not chunk.direct or not all(item.chunk.direct for item in self.in_flight):
+            return False
+        ahead = sum(_direct_bytes(item.chunk) for item in self.in_flight)
+        return ahead + _direct_bytes(chunk) <= ahead_limit
+
+    def _fill(self) -> None:
+        while self.next_index < len(self.chunks) and self._room_for(self.chunks[self.next_index]):
+            item = self._start(self.chunks[self.next_index])
+            if item is None:
+                return  # wait for a buffer to come back
+            self.in_flight.append(item)
+            self.next_index += 1
+
+    def _start(self, chunk: Chunk) -> Delivery | None:
+        ex = self.executor
+        sf = ex.checkpoint.files[chunk.file]
+        if chunk.direct:
+            direct = DirectDelivery(chunk, self.prepared.pop(self.next_index))
+            _after_consumer_work(chunk, None)
+            direct.start(ex.reader, sf, ex.stats)
+            return direct
+        window = _mapped(ex.reader, sf, chunk)
+        if window is not None:
+            return MappedDelivery(chunk, *window, ex.stats)
+        buf = ex.pool.try_acquire(chunk.nbytes)
+        if buf is None:
+            if self.in_flight:
+                return None
+            buf = ex._oversize(chunk)
+        _after_consumer_work(chunk, buf)
+        buffered = BufferedDelivery(chunk, buf)
+        buffered.start(ex.reader, sf, ex.stats)
+        return buffered
 
 
 class PlanExecutor:
@@ -130,103 +300,66 @@ class PlanExecutor:
         self.reader = reader
         self.pool = pool
         self.config = config
-        # Reads in flight beyond the one being consumed. Each needs its own buffer, and a new
-        # buffer is fresh memory (the slowest thing to fill on our VMs), while two chunks ahead
-        # already keep every thread busy: each chunk is split into read_size pieces.
-        self.max_in_flight = 3
         self.stats = LoadStats()
 
     def run(self, plan: Plan, progress: LoadProgress | None = None,
-            on_layer_end: Callable[[LayerGroup], object] | None = None,
-            ) -> Iterator[tuple[PlannedTensor, torch.Tensor]]:
+            on_layer_end: Callable[[LayerGroup], object] | None = None) -> Iterator[Delivered]:
         """Yield ``(planned tensor, tensor)`` in plan order.
 
-        For buffered chunks the tensor is a view into a pool buffer: valid as long as the
-        caller holds it, never overwritten while held (see ``buffers``); or, where the reader maps
-        the chunk (``Reader.mapped``), a view of a private, copy-on-write mapping of the file. For direct chunks it
-        is the caller's own destination, already filled.
+        For buffered chunks the tensor is a view into a pool buffer: valid as long as the caller
+        holds it, never overwritten while held (see ``buffers``); for mapped chunks a view of a
+        private, copy-on-write mapping of the file; for direct chunks the caller's own
+        destination, already filled.
+
+        A buffer goes back to the pool one chunk late: when the caller asks for the next item,
+        its loop variable still holds the previous tensor, so only after a further chunk can
+        "still referenced" be told apart from "kept on purpose". (The pool parks a buffer that is
+        still referenced and re-checks it later, so being early is safe too.)
         """
-        chunks = plan.chunks
-        # Direct chunks' read calls are made before the first read starts: made between reads,
-        # each tensor op waits for the GIL behind the reader's threads (on an H200 host this
-        # took a quarter of a warm TP=2 rank-1 load's 86 ms on the loading thread).
-        prepared = {i: _direct_calls(chunk) for i, chunk in enumerate(chunks) if chunk.direct}
-        in_flight: deque[_InFlight] = deque()
-        next_index = 0
-
-        def room_for(chunk: Chunk) -> bool:
-            if len(in_flight) < self.max_in_flight:
-                return True
-            # Beyond that, only chunks read straight into the caller's tensors (no buffer), as far
-            # ahead as the reader asks for to keep its threads busy.
-            if self.reader.direct_read_ahead <= 0 or not chunk.direct or not all(
-                    item.chunk.direct for item in in_flight):
-                return False
-            ahead = sum(_direct_bytes(item.chunk) for item in in_flight)
-            return ahead + _direct_bytes(chunk) <= self.reader.direct_read_ahead
-
-        def fill() -> None:
-            nonlocal next_index
-            while next_index < len(chunks) and room_for(chunks[next_index]):
-                chunk = chunks[next_index]
-                buf = None
-                window = None if chunk.direct else _mapped(self.reader, self.checkpoint.files[chunk.file], chunk)
-                if window is not None:
-                    in_flight.append(_InFlight(chunk, None, Pending([]), window))
-                    self.stats.bytes_read += sum(t.read_bytes for t, _ in chunk.tensors)
-                    self.stats.chunks += 1
-                    next_index += 1
-                    continue
-                if not chunk.direct:
-                    buf = self.pool.try_acquire(chunk.nbytes)
-                    if buf is None:
-                        if in_flight:
-                            return  # wait for a buffer to come back
-                        buf = self._oversize(chunk)
-                _after_consumer_work(chunk, buf)
-                in_flight.append(_InFlight(chunk, buf, self._submit(chunk, buf, prepared.pop(next_index, None))))
-                next_index += 1
-
-        # A buffer goes back to the pool one chunk late: when the caller asks for the next
-        # item, its loop variable still holds the previous tensor, so only after a further
-        # chunk can "still referenced" be told apart from "kept on purpose". (The pool parks a
-        # buffer that is still referenced and re-checks it later, so being early is safe too.)
+        ahead = ReadAhead(self, plan.chunks)
         previous: Buffer | None = None
-        item: _InFlight | None = None
+        current: Delivery | None = None
         handed_over_before = self.pool.handed_over
         try:
             for group in plan.groups:
                 for _ in group.chunks:
-                    fill()
-                    item = in_flight.popleft()
-                    _wait_naming_tensors(item)
-                    item.pending = None
-                    if self.config.check_file_changes:
-                        self.checkpoint.files[item.chunk.file].check_unchanged()
-                    yield from self._deliver(item)
-                    if item.mapped is not None and self.config.check_file_changes:
+                    current = ahead.next()
+                    self._check_unchanged(current.chunk)
+                    for delivered in current.deliver():
+                        self.stats.tensors += 1
+                        yield delivered
+                    if isinstance(current, MappedDelivery):
                         # Views show the file while the caller copies them: a change made
                         # meanwhile is caught here, before the next chunk.
-                        self.checkpoint.files[item.chunk.file].check_unchanged()
-                    if item.buffer is not None or item.mapped is not None:
+                        self._check_unchanged(current.chunk)
+                    if current.recycles:
                         if previous is not None:
                             self.pool.release(previous)
-                        previous, item.buffer = item.buffer, None
-                    item = None
-                if on_layer_end is not None:
-                    on_layer_end(group)
-                if progress is not None:
-                    progress.layer_done(group.key.layer, group.key.name, len(group.tensors), group.read_bytes)
+                        previous = current.held()
+                    current = None
+                self._layer_done(group, progress, on_layer_end)
         finally:
             if previous is not None:
                 self.pool.release(previous)
             # The chunk being delivered when the caller stopped (break, exception) or that
             # failed: its buffer goes back too, or the pool would count it as held forever.
-            if item is not None:
-                in_flight.appendleft(item)
-            self._drain(in_flight)
+            if current is not None:
+                current.drain(self.pool)
+            ahead.drain(self.pool)
             self.stats.peak_buffer_bytes = max(self.stats.peak_buffer_bytes, self.pool.peak)
             self.stats.buffers_handed_over = self.pool.handed_over - handed_over_before
+
+    def _check_unchanged(self, chunk: Chunk) -> None:
+        if self.config.check_file_changes:
+            self.checkpoint.files[chunk.file].check_unchanged()
+
+    @staticmethod
+    def _layer_done(group: LayerGroup, progress: LoadProgress | None,
+                    on_layer_end: Callable[[LayerGroup], object] | None) -> None:
+        if on_layer_end is not None:
+            on_layer_end(group)
+        if progress is not None:
+            progress.layer_done(group.key.layer, group.key.name, len(group.tensors), group.read_bytes)
 
     def _oversize(self, chunk: Chunk) -> Buffer:
         names = ", ".join(t.key for t, _ in chunk.tensors)
@@ -235,48 +368,3 @@ class PlanExecutor:
                        names, chunk.nbytes / 1e6, self.pool.budget / 1e6)
         self.stats.oversize_tensors += len(chunk.tensors)
         return self.pool.allocate_oversize(chunk.nbytes)
-
-    def _submit(self, chunk: Chunk, buf: Buffer | None, direct_calls: list | None) -> Pending:
-        """Start a chunk's reads: ``direct_calls`` (made by ``_direct_calls``) for a direct chunk,
-        else one call per op into ``buf``."""
-        sf = self.checkpoint.files[chunk.file]
-        if chunk.direct:
-            calls = direct_calls
-            self.stats.bytes_read += _direct_bytes(chunk)
-        else:
-            calls = [(op.rows, buf.tensor[op.buf_offset:op.buf_offset + op.length]) if op.rows is not None else
-                     (op.file_offset, op.length, buf.tensor[op.buf_offset:op.buf_offset + op.length])
-                     for op in chunk.ops]
-            self.stats.bytes_read += sum(op.length for op in chunk.ops)
-        self.stats.chunks += 1
-        return self.reader.submit(sf, calls)
-
-    def _deliver(self, item: _InFlight) -> Iterator[tuple[PlannedTensor, torch.Tensor]]:
-        for t, pos in item.chunk.tensors:
-            self.stats.tensors += 1
-            if item.chunk.direct:
-                yield t, t.dest
-            elif item.mapped is not None:
-                window, first = item.mapped
-                offset = t.ranges[0][0] - first
-                yield t, view_tensor(window[offset:offset + t.read_bytes], t)
-            else:
-                yield t, view_tensor(item.buffer.tensor[pos:pos + t.read_bytes], t)
-
-    def _drain(self, in_flight: deque[_InFlight]) -> None:
-        """Stop cleanly: reads still running must finish before their buffers are reused or freed.
-
-        Once every read of a chunk has finished (``Pending.wait`` waits for all of them, even
-        after an error) its buffer goes back to the pool, which reuses it only if the caller
-        holds no view of it.
-        """
-        while in_flight:
-            item = in_flight.popleft()
-            try:
-                if item.pending is not None:
-                    item.pending.wait()
-            except Exception:
-                pass
-            if item.buffer is not None:
-                self.pool.release(item.buffer)
-                item.buffer = None

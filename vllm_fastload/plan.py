@@ -28,6 +28,7 @@ from vllm_fastload.checkpoint import Checkpoint
 from vllm_fastload.errors import InvalidRequestError, PlanError
 from vllm_fastload.format import TensorInfo
 from vllm_fastload.layers import LayerKey, layer_key
+from vllm_fastload.sizes import contiguous_strides, round_up
 
 #: Buffer positions that start a new read are aligned to this (covers every dtype, and
 #: the 4 KiB-friendly sizes GPUDirect Storage prefers are multiples of it).
@@ -301,7 +302,7 @@ def plan_tensor(info: TensorInfo, request: TensorRequest, strided_min_skip: int)
         return PlannedTensor(request, info, out_shape, "strided", rows.ranges(), needed, layer, rows=rows)
     # Read from the first needed byte to the last and view it with the original strides.
     rows = Rows(first, seg, row, outer, gaps=True, lead=lead)
-    strides = tuple(math.prod(shape[d + 1:]) for d in range(ndim))
+    strides = contiguous_strides(shape)
     return PlannedTensor(request, info, out_shape, "enclosing", [(first, rows.span)], needed, layer,
                          view_strides=strides, rows=rows)
 
@@ -322,7 +323,7 @@ def _check_inside(t: PlannedTensor) -> None:
 
 
 def _align(n: int) -> int:
-    return -(-n // BUFFER_ALIGN) * BUFFER_ALIGN
+    return round_up(n, BUFFER_ALIGN)
 
 
 def _element_align(t: PlannedTensor) -> int:

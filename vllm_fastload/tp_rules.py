@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from vllm_fastload.checkpoint import Checkpoint
 from vllm_fastload.plan import TensorRequest
+from vllm_fastload.sizes import ceil_div
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "qkv_proj", "gate_proj", "up_proj", "gate_up_proj", "w1", "w3",
           "embed_tokens", "lm_head", "query_key_value", "c_fc", "fc1", "wte")
@@ -37,7 +38,7 @@ def rank_requests(checkpoint: Checkpoint, tp: int, rank: int) -> list[TensorRequ
             requests.append(TensorRequest(name))
             continue
         size = info.shape[dim]
-        block = -(-size // tp)
+        block = ceil_div(size, tp)
         start = min(size, rank * block)
         requests.append(TensorRequest(name, dim=dim, start=start, length=min(size, start + block) - start))
     return requests

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from vllm_fastload import TensorRequest
+from vllm_fastload import TensorRequest, policy
 from vllm_fastload.readers import host, mapped, pagecache
 
 from ._util import assert_bitexact, open_ckpt, random_tensor, save
@@ -133,7 +133,7 @@ def test_a_mostly_cached_chunk_is_mapped_and_its_missing_pages_advised(ckpt, mon
     submitted = _spy_reads(monkeypatch)
     with open_ckpt(path) as c:
         got = {k: v.clone() for k, v in c.iter_tensors()}
-    mapped_views = share >= host.MOSTLY_CACHED
+    mapped_views = share >= policy.MOSTLY_CACHED
     assert (submitted == []) is mapped_views and (sum(advised) == len(tensors)) is mapped_views
     for name, t in tensors.items():
         assert_bitexact(got[name], t, name)

@@ -15,7 +15,7 @@ from vllm_fastload import TensorRequest
 from vllm_fastload.errors import ReadError
 from vllm_fastload.libc import releasing_gil
 from vllm_fastload.plan import Rows
-from vllm_fastload.readers import base, host, mapped, memory
+from vllm_fastload.readers import ReadCall, RowsCall, base, host, mapped, memory
 
 from ._util import assert_bitexact, open_ckpt, random_tensor, save
 
@@ -57,14 +57,14 @@ def test_rows_split_into_tasks_keep_their_order(wide):
         reader = ckpt.reader
         planned = ckpt.plan([TensorRequest(NAME, 1, 0, 10)]).tensors[0]
         dest = torch.empty(ROWS * 20, dtype=torch.uint8)
-        tasks = reader.batches([(planned.rows, dest)], 4096)
+        tasks = reader.batches([RowsCall(planned.rows, dest)], 4096)
         parts = [call for task in tasks for call in task]
         assert len(parts) > 1
         assert sum(p.count for p, _ in parts) == ROWS
         assert [p.offset for p, _ in parts] == sorted(p.offset for p, _ in parts)
         assert all(d.numel() == p.count * p.seg for p, d in parts)
         # A reader without native rows gets one plain call per row, gaps never read.
-        plain = base.Reader.plain_calls([(planned.rows, dest)])
+        plain = base.Reader.plain_calls([RowsCall(planned.rows, dest)])
         assert len(plain) == ROWS and {length for _, length, _ in plain} == {20}
 
 
@@ -337,7 +337,7 @@ def test_gpu_staging_packs_rows_and_ranges_into_a_slot(wide, gaps: bool):
         sf = next(iter(ckpt.checkpoint.files.values()))
         start = ckpt.info(NAME).start
         rows = Rows(start + 10 * 192 + 64, 32, 192, 700, gaps)   # rows 10..709, bytes 64..95
-        batch = [(start, 100, "head"), (rows, "rows"), (start + 192, 8, "tail")]
+        batch = [ReadCall(start, 100, "head"), RowsCall(rows, "rows"), ReadCall(start + 192, 8, "tail")]
         slot = torch.zeros(100 + 700 * 32 + 8, dtype=torch.uint8)
         placed = fill_slot(sf, memoryview(slot.numpy()), batch, read_size=64)
     assert placed == [(0, 100, "head"), (100, 700 * 32, "rows"), (100 + 700 * 32, 8, "tail")]
@@ -355,9 +355,9 @@ def test_rows_longer_than_a_piece_are_split_like_ranges(wide):
         assert reader.reads_rows
         rows = Rows(1000, 5000, 9000, 3)
         dest = torch.empty(3 * 5000, dtype=torch.uint8)
-        unbounded = reader.batches([(rows, dest)], 4096)
+        unbounded = reader.batches([RowsCall(rows, dest)], 4096)
         assert [[call[0] for call in task] for task in unbounded] == [[rows.split(i, 1)] for i in range(3)]
-        tasks = reader.batches([(rows, dest)], 4096, bounded=True)
+        tasks = reader.batches([RowsCall(rows, dest)], 4096, bounded=True)
         calls = [call for task in tasks for call in task]
         assert all(not isinstance(call[0], Rows) and call[1] <= 4096 for call in calls)
         assert [(o, n) for o, n, _ in calls] == [(1000, 4096), (5096, 904), (10000, 4096), (14096, 904),
@@ -378,7 +378,7 @@ def test_gpu_staging_error_keeps_no_destination_alive(tmp_path: Path):
         os.truncate(path, start + 100 * 192)
         buffer = torch.empty(32 * ROWS, dtype=torch.uint8)
         baseline = storage_references(buffer)
-        batch = [(start, 4096, buffer[:4096]), (Rows(start + 64, 32, 192, ROWS), buffer[:32 * ROWS])]
+        batch = [ReadCall(start, 4096, buffer[:4096]), RowsCall(Rows(start + 64, 32, 192, ROWS), buffer[:32 * ROWS])]
         slot = torch.zeros(4096 + 32 * ROWS, dtype=torch.uint8)
         with pytest.raises(ReadError) as info:
             fill_slot(sf, memoryview(slot.numpy()), batch)

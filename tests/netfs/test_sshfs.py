@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 
 import vllm_fastload
+from vllm_fastload import policy
 from vllm_fastload.bench import netfs
 from vllm_fastload.sources import fstype
 from vllm_fastload.tp_rules import rank_requests
@@ -105,15 +106,15 @@ def test_tp2_slices_through_sshfs_bit_exactly(mounted: Path, local_checkpoint: P
 def test_network_defaults_apply_only_to_unset_fields(mounted: Path, local_checkpoint: Path) -> None:
     assert fstype.is_network("fuse.sshfs") and fstype.is_network("nfs4") and not fstype.is_network("ext4")
     with vllm_fastload.open(mounted, config={"progress": False}) as ckpt:
-        for field, value in fstype.NETWORK_DEFAULTS.items():
+        for field, value in policy.NETWORK_DEFAULTS.items():
             assert getattr(ckpt.config, field) == value
-    mine = {"progress": False, **{field: 12345 for field in fstype.NETWORK_DEFAULTS}}
+    mine = {"progress": False, **{field: 12345 for field in policy.NETWORK_DEFAULTS}}
     with vllm_fastload.open(mounted, config=mine) as ckpt:
-        for field in fstype.NETWORK_DEFAULTS:
+        for field in policy.NETWORK_DEFAULTS:
             assert getattr(ckpt.config, field) == 12345  # an explicit setting wins
     with vllm_fastload.open(local_checkpoint, config={"progress": False}) as ckpt:
         assert not fstype.is_network(fstype.filesystem_type(local_checkpoint))
-        for field in fstype.NETWORK_DEFAULTS:
+        for field in policy.NETWORK_DEFAULTS:
             assert field not in ckpt.config.model_fields_set
 
 

@@ -147,6 +147,7 @@ def test_cuda_staging_fills_slots_from_objects(s3, local_checkpoint) -> None:
     """The GPU readers' staging step, on a CPU slot (the copy to the device needs a GPU): ranges
     and rows land packed in the slot, each at the offset it reports."""
     from vllm_fastload.plan import Rows
+    from vllm_fastload.readers import ReadCall, RowsCall
     from vllm_fastload.readers.staging import fill_slot
 
     want = (local_checkpoint / SHARD2).read_bytes()
@@ -154,7 +155,8 @@ def test_cuda_staging_fills_slots_from_objects(s3, local_checkpoint) -> None:
     try:
         sf = ckpt.files[s3.uri(SHARD2)]
         rows = Rows(2000, 16, 100, 5)
-        batch = [(100, 50, "a"), (4000, 300, "b"), (rows, "rows"), (sf.source.size - 10, 10, "c")]
+        batch = [ReadCall(100, 50, "a"), ReadCall(4000, 300, "b"), RowsCall(rows, "rows"),
+                 ReadCall(sf.source.size - 10, 10, "c")]
         slot = torch.zeros(4096, dtype=torch.uint8)
         placed = fill_slot(sf, memoryview(slot.numpy()), batch)
         assert placed == [(0, 50, "a"), (50, 300, "b"), (350, 80, "rows"), (430, 10, "c")]

@@ -19,7 +19,7 @@ import json
 import os
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
-from typing import Any, Literal, get_origin
+from typing import Any, get_origin
 
 from pydantic import BaseModel, ByteSize, Field, TypeAdapter, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
@@ -30,8 +30,10 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from vllm_fastload import policy
 from vllm_fastload.config.remote import RemoteConfig
 from vllm_fastload.errors import ConfigError
+from vllm_fastload.policy import BackendSetting, Mode
 
 ENV_PREFIX = "FASTLOAD_"
 #: Separates a nested field in a variable's name: ``FASTLOAD_REMOTE__TIMEOUT_S=10``.
@@ -45,13 +47,8 @@ LayerCallback = Callable[..., Any]
 
 
 def default_threads() -> int:
-    """One reader thread per usable CPU, at least 4 and at most 16.
-
-    Measured on a 2-core VM: into fresh huge-page memory, 2 threads 7.9 GB/s, 4 threads 6.6 GB/s,
-    8 threads 2.7 GB/s (page-fault contention); a cold-cache vLLM load of 1.67 GB took 3.2 s with
-    2 threads, 2.9 s with 4 and 2.8 s with 8. Four is the compromise; big machines get one per core.
-    """
-    return max(4, min(16, usable_cpus()))
+    """Reader threads when none are configured, for the CPUs this thread may use (``policy.default_threads``)."""
+    return policy.default_threads(usable_cpus())
 
 
 def usable_cpus() -> int:
@@ -81,12 +78,12 @@ class FastloadConfig(BaseSettings):
                                       env_prefix=ENV_PREFIX, env_nested_delimiter=ENV_NESTED,
                                       case_sensitive=True)  # FastloadEnv makes the part after the prefix case-blind
 
-    backend: Literal["auto", "host", "cuda", "kvikio"] = Field(
+    backend: BackendSetting = Field(
         "auto", description="Reader: 'host' (threaded pread into host memory), 'cuda' (pinned "
         "staging + async copies), 'kvikio' (cuFile/GDS), or 'auto' (best for the target device).")
     threads: int = Field(default_factory=lambda: default_threads(), ge=1, le=256,
                          description="Reader threads issuing reads in parallel; default: the CPUs the "
-                         "calling thread may run on, between 4 and 16.")
+                         f"calling thread may run on, between {policy.MIN_THREADS} and {policy.MAX_THREADS}.")
     cpus: list[int] | None = Field(None, description="CPUs the reader's threads run on (e.g. [0, 1]); None: "
                                    "those the thread that opens the checkpoint may run on. The vLLM loader sets "
                                    "it on vLLM-CPU, which binds a rank's main thread to a single core.")
@@ -106,7 +103,7 @@ class FastloadConfig(BaseSettings):
     progress: bool = Field(True, description="Show a tqdm progress bar (rank 0 only in multi-rank use).")
     log_layers: bool = Field(False, description="Log one DEBUG line per completed layer.")
     check_file_changes: bool = Field(True, description="Fail if a file's size or mtime changes during the load.")
-    direct_io: Literal["auto", "always", "never"] = Field(
+    direct_io: Mode = Field(
         "auto", description="host backend: O_DIRECT for contiguous ranges not in the page cache "
         "('auto'), for every contiguous range ('always'), or never (buffered reads with read-ahead "
         "advice). Where a filesystem refuses O_DIRECT, fastload reads through the page cache.")
@@ -114,7 +111,7 @@ class FastloadConfig(BaseSettings):
                                 "only this rank's bytes straight into the parameters. false: read every "
                                 "tensor whole and hand it to the model's load_weights, as vLLM's default "
                                 "loader does (an escape hatch; each rank then reads the whole checkpoint).")
-    row_exchange: Literal["auto", "always", "never"] = Field(
+    row_exchange: Mode = Field(
         "auto", description="vLLM loader at TP>1: ranks that each take a column slice of a tensor "
         "(row-parallel weights) read disjoint blocks of whole rows instead and swap the columns over "
         "the tensor-parallel group, so that each byte is fetched once per group in large reads. "
@@ -130,7 +127,7 @@ class FastloadConfig(BaseSettings):
                                  "read has written them, while later layers are read; vLLM's pass after the load "
                                  "skips them. Off by default: on vLLM-CPU the repacking competes with the reader "
                                  "for the rank's cores and the load got slower.")
-    early_reads: Literal["auto", "always", "never"] = Field(
+    early_reads: Mode = Field(
         "auto", description="vLLM loader: as soon as vLLM has built its config (in the process that builds it, "
         "long before the workers ask for weights), read a local checkpoint into the page cache in the background, "
         "on idle CPU time, if it fits in half of the memory available then, and keep it mapped until the ranks "
@@ -140,8 +137,8 @@ class FastloadConfig(BaseSettings):
     hugepages: bool = Field(False, description="Ask for transparent huge pages on the host backend's "
                             "pooled read buffers (never on an engine's parameters). Off by default: on VMs "
                             "whose balloon hands free memory back to the host in 2 MiB blocks, every huge page "
-                            "is memory the host must back anew, and first touching it was ~8x slower than "
-                            "4 KiB pages.")
+                            "is memory the host must back anew, which makes first touching it slower than "
+                            "4 KiB pages (docs/benchmarks.md).")
     remote: RemoteConfig = Field(default_factory=RemoteConfig, description="Object store settings for "
                                  "s3://, gs://, az:// and http(s):// checkpoints (see config.remote).")
 

@@ -4,38 +4,24 @@ from __future__ import annotations
 
 import torch
 
+from vllm_fastload import policy
 from vllm_fastload.config import FastloadConfig
-from vllm_fastload.readers.base import Pending, ReadCall, Reader
+from vllm_fastload.policy import Backend
+from vllm_fastload.readers.base import Call, Pending, ReadCall, Reader, RowsCall
 from vllm_fastload.readers.host import HostReader
 
-__all__ = ["HostReader", "Pending", "ReadCall", "Reader", "make_reader", "select_backend"]
+__all__ = ["Call", "HostReader", "Pending", "ReadCall", "Reader", "RowsCall", "make_reader", "select_backend"]
 
 
-def select_backend(config: FastloadConfig, device: torch.device, *, remote: bool = False) -> str:
-    """``auto``: host memory -> host; GPU -> kvikio only with real GDS, else pinned staging.
+def select_backend(config: FastloadConfig, device: torch.device, *, remote: bool = False) -> Backend:
+    """The backend for ``device`` (``policy.backend``; kvikio is imported only where GDS matters)."""
 
-    kvikio without GDS runs in POSIX compatibility mode, which is what our cuda backend does
-    too, except that ours overlaps disk and PCIe; so auto picks kvikio only when GDS is live.
-    kvikio reads local paths only: objects (``remote``) go through cuda's pinned staging.
-    """
-    if device.type == "cpu":
-        if config.backend not in ("auto", "host"):
-            raise ValueError(f"backend {config.backend!r} needs a CUDA device; device is {device}")
-        return "host"
-    if device.type != "cuda":
-        raise ValueError(f"unsupported device {device}; fastload reads into 'cpu' or 'cuda' memory")
-    if config.backend == "host":
-        raise ValueError("backend 'host' reads into host memory; use device='cpu' or backend 'cuda'")
-    if config.backend == "kvikio" and remote:
-        raise ValueError("backend 'kvikio' reads local files only; an object store checkpoint is read with "
-                         "backend 'cuda' (or 'auto')")
-    if config.backend != "auto":
-        return config.backend
-    if remote:
-        return "cuda"
-    from vllm_fastload.readers.kvikio import gds_available
+    def gds_live() -> bool:
+        from vllm_fastload.readers.kvikio import gds_available
 
-    return "kvikio" if gds_available() else "cuda"
+        return gds_available()
+
+    return policy.backend(config.backend, device.type, remote=remote, gds_live=gds_live)
 
 
 def make_reader(config: FastloadConfig, device: torch.device | str, *, remote: bool = False) -> Reader:
@@ -44,12 +30,16 @@ def make_reader(config: FastloadConfig, device: torch.device | str, *, remote: b
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     backend = select_backend(config, device, remote=remote)
+    reader: Reader
     if backend == "host":
-        return HostReader(config, device)
-    if backend == "cuda":
+        reader = HostReader(config, device)
+    elif backend == "cuda":
         from vllm_fastload.readers.cuda import CudaReader
 
-        return CudaReader(config, device)
-    from vllm_fastload.readers.kvikio import KvikioReader
+        reader = CudaReader(config, device)
+    else:
+        from vllm_fastload.readers.kvikio import KvikioReader
 
-    return KvikioReader(config, device)
+        reader = KvikioReader(config, device)
+    reader.decisions.note("backend", backend, setting=config.backend, device=device, remote=remote)
+    return reader

@@ -3,28 +3,44 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NamedTuple
 
 import torch
 
 from vllm_fastload.config import FastloadConfig
 from vllm_fastload.format import SafetensorsFile
 from vllm_fastload.plan import Rows
+from vllm_fastload.policy import DecisionLog
 from vllm_fastload.readers.threads import thread_pool
 from vllm_fastload.sources.local import IOV_MAX, pread_into, preadv_into  # noqa: F401 (the readers' loop)
 
-#: (file offset, length, destination): a uint8 1-D view of exactly ``length`` bytes.
-ReadCall = tuple[int, int, torch.Tensor]
-#: (row geometry, destination): the segments land packed one after another in a uint8 1-D
-#: view of exactly ``rows.seg * rows.count`` bytes.
-RowsCall = tuple[Rows, torch.Tensor]
+
+class ReadCall(NamedTuple):
+    """``length`` bytes at file ``offset`` into ``dest``, a uint8 1-D view of exactly ``length`` bytes."""
+
+    offset: int
+    length: int
+    dest: torch.Tensor
+
+
+class RowsCall(NamedTuple):
+    """A slice's ``rows`` into ``dest``: the segments land packed one after another in a uint8 1-D
+    view of exactly ``rows.seg * rows.count`` bytes."""
+
+    rows: Rows
+    dest: torch.Tensor
+
+
+#: What a reader is asked to do.
+Call = ReadCall | RowsCall
 
 
 class Pending:
     """Reads in flight; ``wait()`` returns when every byte has landed (or raises the first error)."""
 
-    def __init__(self, futures: Sequence[Future], on_done=None) -> None:
+    def __init__(self, futures: Sequence[Future[object]], on_done: Callable[[], object] | None = None) -> None:
         self._futures = list(futures)
         self._on_done = on_done
 
@@ -74,6 +90,8 @@ class Reader(ABC):
         self.config = config
         self.device = device
         self._pool: ThreadPoolExecutor | None = None
+        #: The reader's decisions, each logged once per outcome (``policy.DecisionLog``).
+        self.decisions = DecisionLog()
 
     @property
     def staging_bytes(self) -> int:
@@ -91,7 +109,7 @@ class Reader(ABC):
         """A uint8 buffer of at least ``nbytes`` on ``self.device``, ready to be filled."""
 
     @abstractmethod
-    def submit(self, sf: SafetensorsFile, calls: Sequence[ReadCall | RowsCall]) -> Pending:
+    def submit(self, sf: SafetensorsFile, calls: Sequence[Call]) -> Pending:
         """Start reading ``calls`` from ``sf``; return a handle to wait on."""
 
     def mapped(self, sf: SafetensorsFile, ranges: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, int] | None:
@@ -105,8 +123,8 @@ class Reader(ABC):
             self._pool = thread_pool(self.config.threads, f"fastload-{self.name}", self.config.cpus)
         return self._pool
 
-    def batches(self, calls: Sequence[ReadCall | RowsCall], piece: int,
-                bounded: bool = False) -> list[list[ReadCall | RowsCall]]:
+    def batches(self, calls: Sequence[Call], piece: int,
+                bounded: bool = False) -> list[list[Call]]:
         """Split big calls into ``piece``-sized reads and group small ones, ~``piece`` bytes per task.
 
         Big reads are split so all threads work on them; tiny strided segments are grouped
@@ -115,11 +133,11 @@ class Reader(ABC):
         hold more than ``piece`` bytes (a staging slot), so rows wider than a piece are read
         like long ranges, in pieces.
         """
-        tasks: list[list[ReadCall | RowsCall]] = []
-        current: list[ReadCall | RowsCall] = []
+        tasks: list[list[Call]] = []
+        current: list[Call] = []
         filled = 0
 
-        def add(call: ReadCall | RowsCall, nbytes: int) -> None:
+        def add(call: Call, nbytes: int) -> None:
             nonlocal current, filled
             if filled + nbytes > piece and current:
                 tasks.append(current)
@@ -128,29 +146,29 @@ class Reader(ABC):
             filled += nbytes
 
         for call in calls:
-            if isinstance(call[0], Rows) and self.reads_rows and not (bounded and call[0].bytes_per_row > piece):
+            if isinstance(call, RowsCall) and self.reads_rows and not (bounded and call.rows.bytes_per_row > piece):
                 rows, dest = call
                 per = max(1, piece // rows.bytes_per_row)
                 for first in range(0, rows.count, per):
                     part = rows.split(first, min(per, rows.count - first))
-                    add((part, dest[first * rows.seg:(first + part.count) * rows.seg]), part.read_bytes)
+                    add(RowsCall(part, dest[first * rows.seg:(first + part.count) * rows.seg]), part.read_bytes)
                 continue
             for offset, length, dest in self.plain_calls([call]):
                 for done in range(0, length, piece):
                     n = min(piece, length - done)
-                    add((offset + done, n, dest[done:done + n]), n)
+                    add(ReadCall(offset + done, n, dest[done:done + n]), n)
         if current:
             tasks.append(current)
         return tasks
 
     @staticmethod
-    def plain_calls(calls: Sequence[ReadCall | RowsCall]) -> list[ReadCall]:
+    def plain_calls(calls: Sequence[Call]) -> list[ReadCall]:
         """Rows as one ``ReadCall`` per row (gaps not read), for readers without ``reads_rows``."""
         out: list[ReadCall] = []
         for call in calls:
-            if isinstance(call[0], Rows):
+            if isinstance(call, RowsCall):
                 rows, dest = call
-                out += [(offset, length, dest[i * length:(i + 1) * length])
+                out += [ReadCall(offset, length, dest[i * length:(i + 1) * length])
                         for i, (offset, length) in enumerate(rows.ranges())]
             else:
                 out.append(call)

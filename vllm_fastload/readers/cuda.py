@@ -9,12 +9,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from vllm_fastload.format import SafetensorsFile
-from vllm_fastload.readers.base import Pending, ReadCall, RowsCall
+from vllm_fastload.readers.base import Call, Pending
 from vllm_fastload.readers.staging import StagedReader
 
 
 class CudaReader(StagedReader):
     name = "cuda"
 
-    def submit(self, sf: SafetensorsFile, calls: Sequence[ReadCall | RowsCall]) -> Pending:
+    def submit(self, sf: SafetensorsFile, calls: Sequence[Call]) -> Pending:
         return Pending(self.staging.start(self, sf, calls))

@@ -32,6 +32,7 @@ import torch
 
 from vllm_fastload.errors import ReadError
 from vllm_fastload.readers.memory import populate
+from vllm_fastload.sizes import round_up
 
 #: Alignments tried, smallest first: 512 suits most devices, 4096 the rest.
 ALIGNMENTS = (512, 4096)
@@ -136,7 +137,7 @@ def read_into(dfd: int, align: int, path: str, offset: int, dest: torch.Tensor, 
         at = offset + done
         start = at - at % align
         n = min(length - done, room - (at - start))
-        end = -(-(at + n) // align) * align
+        end = round_up(at + n, align)
         got = read_aligned(dfd, path, start, end, bounce.view)
         _need(path, got, at - start, n, at)
         ctypes.memmove(dest.data_ptr() + done, bounce.address + (at - start), n)

@@ -18,27 +18,28 @@ import functools
 import mmap
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from vllm_fastload import policy
 from vllm_fastload.config import FastloadConfig, reader_cpu_count
 from vllm_fastload.format import SafetensorsFile
 from vllm_fastload.plan import Rows
+from vllm_fastload.policy import ChunkRead, MapChunk
 from vllm_fastload.readers import direct, mapped, pagecache, row_pages
-from vllm_fastload.readers.base import IOV_MAX, Pending, ReadCall, Reader, RowsCall, pread_into, preadv_into
+from vllm_fastload.readers.base import IOV_MAX, Call, Pending, Reader, RowsCall, pread_into, preadv_into
 from vllm_fastload.readers.memory import populate
 from vllm_fastload.readers.remote import submit_to_source
 from vllm_fastload.readers.threads import thread_pool
+from vllm_fastload.sizes import round_up
 
 HUGE_PAGE = 2 << 20
+#: What the page-cache probes and the advice take: read calls, or bare ``(offset, length, None)``
+#: ranges of a chunk that may be mapped instead of read.
+_Probed = Call | tuple[int, int, None]
 PAGE = mmap.PAGESIZE
-#: A chunk with at least this share of its pages in the page cache is handed out as mapped views
-#: (see ``HostReader.mapped``). A vLLM-CPU TP=1 worker, "warm" run, 5 repetitions: where pages had
-#: been reclaimed here and there, reading whole chunks again with O_DIRECT fetched 0.15 GB from
-#: disk against the default loader's 0.03 GB, and took 1.09x its time.
-MOSTLY_CACHED = 0.5
 
 
 def allocate_host(nbytes: int, hugepages: bool) -> torch.Tensor:
@@ -50,7 +51,7 @@ def allocate_host(nbytes: int, hugepages: bool) -> torch.Tensor:
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
     granule = HUGE_PAGE if nbytes >= HUGE_PAGE else mmap.PAGESIZE
-    size = -(-nbytes // granule) * granule
+    size = round_up(nbytes, granule)
     region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hugepages and hasattr(mmap, "MADV_HUGEPAGE"):
         try:
@@ -87,66 +88,60 @@ class HostReader(Reader):
     def allocate(self, nbytes: int) -> torch.Tensor:
         return allocate_host(nbytes, self.config.hugepages)
 
-    def submit(self, sf: SafetensorsFile, calls: Sequence[ReadCall | RowsCall]) -> Pending:
-        if sf.fd is None:  # an object in a store: ranged GETs, no descriptor
+    def submit(self, sf: SafetensorsFile, calls: Sequence[Call]) -> Pending:
+        facts = _ChunkFacts(self, sf, calls)
+        how = policy.chunk_read(facts, direct_io=self.config.direct_io, copiers=self._copier_count,
+                                threads=self.config.threads)
+        self.decisions.note("host reader chunk", how, **facts.known())
+        if how is ChunkRead.REMOTE:
             # While the requests wait on the store, the destinations' fresh pages are faulted in
             # on the reader's threads, not one trap per page in the store client's loop as each
-            # response is copied in (vLLM-CPU, TP=1, 0.31 GB from s3rver: median 1.06 s against
-            # 1.45 s, 4 interleaved repetitions). No byte changes (see ``memory.populate``).
-            self.threads().submit(_populate_batch, [call[-1] for call in calls])
+            # response is copied in. No byte changes (see ``memory.populate``).
+            self.threads().submit(_populate_batch, [call.dest for call in calls])
             return submit_to_source(sf, calls)
-        # Reads that wait on the disk want many threads (I/O depth); copies out of the page
-        # cache are CPU work and want no more threads than CPUs. On a vLLM-CPU rank bound to
-        # one core, 4 threads copying at once took 0.66 s (median of 6) where 1 took 0.57 s.
-        mode = self.config.direct_io
-        cached = mode != "always" and cached_calls(sf.fd, calls)
-        opened = self._direct_fd(sf.fd) if not cached and mode != "never" else None
-        if cached and _has_holes(sf.fd, calls):
-            # Mostly cached, some pages reclaimed: each missing page stops the thread copying it
-            # until the disk answers, so these copies run on all the I/O threads (misses waited
-            # for in parallel), not on the one copier per CPU.
-            advise(sf.fd, calls)
-            pool, task = self.threads(), _read_batch
-        elif cached:
-            if 1 < self._copier_count < self.config.threads:
-                return self._submit_cached(sf, calls, self._copiers())
-            # A copier per thread, or one copier (one CPU): each faults in its own destinations as
-            # it goes. On one CPU, threads faulting ahead of it would only take turns with it there.
+        assert sf.fd is not None
+        if how is ChunkRead.CACHED_PREFAULTED:
+            return self._submit_cached(sf, calls, self._copiers())
+        pool, task = self.threads(), _read_batch
+        if how is ChunkRead.CACHED:
+            # Each copier faults in its own destinations as it goes: on one CPU, threads faulting
+            # ahead of it would only take turns with it there.
             pool, task = self._copiers(), functools.partial(_read_batch, cached=True)
-        elif opened is None:
+        elif how in (ChunkRead.HOLES, ChunkRead.BUFFERED):
             advise(sf.fd, calls)
-            pool, task = self.threads(), _read_batch
         else:
-            rows = [call[0] for call in calls if isinstance(call[0], Rows)]
+            rows = [call.rows for call in calls if isinstance(call, RowsCall)]
             if rows:
                 self._no_readahead(sf.fd)
             for r in rows:
                 advise_rows(sf.fd, r, ahead=True)  # now, so the disk works ahead of the threads
-            dfd, align = opened
+            dfd, align = facts.opened
             pool, task = self.threads(), functools.partial(_read_batch_direct, dfd, align, self.bounce_size)
         futures = [pool.submit(task, sf.fd, sf.path, batch) for batch in self.batches(calls, self.config.read_size)]
         return Pending(futures)
 
     def mapped(self, sf: SafetensorsFile, ranges: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, int] | None:
-        """Cached ranges; with ``direct_io`` "never" also ranges not cached, advised to the kernel
-        now (the caller's copy then waits for the disk where it gets ahead of it)."""
-        if not self.config.map_cached or sf.fd is None or self.config.direct_io == "always" or not ranges:
+        """Cached ranges, mostly cached ones, and with ``direct_io`` "never" also ranges not
+        cached (``policy.map_chunk``); the missing pages are advised to the kernel now (the
+        caller's copy then waits for the disk where it gets ahead of it)."""
+        if not ranges:
             return None
-        calls = [(offset, length, None) for offset, length in ranges]
-        start, end = min(o for o, _ in ranges), max(o + n for o, n in ranges)
-        cached = cached_calls(sf.fd, calls)
-        if not cached and self.config.direct_io != "never":
-            # Mostly cached (pages reclaimed here and there): the missing pages are advised and
-            # the rest mapped, where O_DIRECT would fetch the whole chunk from disk again.
-            share = pagecache.cached_share(sf.fd, start, end)
-            if share is None or share < MOSTLY_CACHED:
-                return None  # read with O_DIRECT
-        window = mapped.file_window(sf.fd, sf.path, start, end)
-        if window is not None and not cached:
-            advise(sf.fd, calls)
+        fd = -1 if sf.fd is None else sf.fd
+        calls: list[_Probed] = [(offset, length, None) for offset, length in ranges]
+        start, end = _span(ranges)
+        facts = _MapFacts(fd, calls, start, end)
+        how = policy.map_chunk(facts, map_cached=self.config.map_cached, remote=sf.fd is None,
+                               direct_io=self.config.direct_io)
+        self.decisions.note("host reader mapping", how, map_cached=self.config.map_cached,
+                            direct_io=self.config.direct_io, **facts.known())
+        if how is MapChunk.READ:
+            return None
+        window = mapped.file_window(fd, sf.path, start, end)
+        if window is not None and how is MapChunk.MAP_ADVISED:
+            advise(fd, calls)
         return window
 
-    def _submit_cached(self, sf: SafetensorsFile, calls: Sequence[ReadCall | RowsCall],
+    def _submit_cached(self, sf: SafetensorsFile, calls: Sequence[Call],
                        copiers: ThreadPoolExecutor) -> Pending:
         """Copies out of the page cache on the copier threads (several CPUs, fewer than
         ``threads``); the destinations' fresh pages are faulted in ahead of them on all threads,
@@ -154,7 +149,7 @@ class HostReader(Reader):
         back to its host, while the copy itself is CPU work."""
         futures = []
         for batch in self.batches(calls, self.config.read_size):
-            faulted = self.threads().submit(_populate_batch, [call[-1] for call in batch])
+            faulted = self.threads().submit(_populate_batch, [call.dest for call in batch])
             futures.append(copiers.submit(_after, faulted, _read_batch, sf.fd, sf.path, batch, True))
         return Pending(futures)
 
@@ -182,8 +177,8 @@ class HostReader(Reader):
 
     @functools.cached_property
     def _copier_count(self) -> int:
-        """Threads that copy out of the page cache: one per CPU the reader runs on, at most ``threads``."""
-        return min(self.config.threads, reader_cpu_count(self.config))
+        """Threads that copy out of the page cache (``policy.copier_count``)."""
+        return policy.copier_count(self.config.threads, reader_cpu_count(self.config))
 
     def _copiers(self) -> ThreadPoolExecutor:
         if self._copy_pool is None:
@@ -204,19 +199,79 @@ class HostReader(Reader):
         self._random.clear()
 
 
+class _ChunkFacts:
+    """What ``policy.chunk_read`` may ask of a chunk, each probed on first access."""
+
+    def __init__(self, reader: HostReader, sf: SafetensorsFile, calls: Sequence[Call]) -> None:
+        self._reader, self._fd, self._calls = reader, sf.fd, calls
+        self._known: dict[str, bool] = {"remote": sf.fd is None}
+
+    @property
+    def remote(self) -> bool:
+        return self._known["remote"]
+
+    def _probe(self, name: str, probe: Callable[[int], bool]) -> bool:
+        if name not in self._known:
+            assert self._fd is not None
+            self._known[name] = probe(self._fd)
+        return self._known[name]
+
+    @property
+    def cached(self) -> bool:
+        return self._probe("cached", lambda fd: cached_calls(fd, self._calls))
+
+    @property
+    def holes(self) -> bool:
+        return self._probe("holes", lambda fd: _has_holes(fd, self._calls))
+
+    @property
+    def direct_ok(self) -> bool:
+        return self._probe("direct_ok", lambda fd: self.opened is not None)
+
+    @functools.cached_property
+    def opened(self) -> tuple[int, int] | None:
+        """The O_DIRECT descriptor and its alignment, or None."""
+        assert self._fd is not None
+        return self._reader._direct_fd(self._fd)
+
+    def known(self) -> dict[str, bool]:
+        """The facts probed so far (for the decision's log line)."""
+        return dict(self._known)
+
+
+class _MapFacts:
+    """What ``policy.map_chunk`` may ask of a chunk, each probed on first access."""
+
+    def __init__(self, fd: int, calls: Sequence[_Probed], start: int, end: int) -> None:
+        self._fd, self._calls, self._start, self._end = fd, calls, start, end
+        self._known: dict[str, object] = {}
+
+    @property
+    def cached(self) -> bool:
+        if "cached" not in self._known:
+            self._known["cached"] = cached_calls(self._fd, self._calls)
+        return bool(self._known["cached"])
+
+    @property
+    def cached_share(self) -> float | None:
+        if "cached_share" not in self._known:
+            self._known["cached_share"] = pagecache.cached_share(self._fd, self._start, self._end)
+        share = self._known["cached_share"]
+        return share if isinstance(share, float) else None
+
+    def known(self) -> dict[str, object]:
+        return dict(self._known)
+
+
 def _bounce_size(config: FastloadConfig) -> int:
-    """Per-thread O_DIRECT buffer: a read piece plus slack for aligning both ends, within a
-    quarter of the memory budget; 0 (no O_DIRECT) if not even one page beside the slack fits."""
-    if config.direct_io == "never":
-        return 0
-    slack = 2 * max(direct.ALIGNMENTS)
-    share = int(config.memory_budget) // 4 // config.threads // 4096 * 4096
-    size = min(int(config.read_size) + slack, share)
-    return size if size >= slack + 4096 else 0
+    """Per-thread O_DIRECT buffer (``policy.bounce_size``); 0: no O_DIRECT."""
+    return policy.bounce_size(direct_io=config.direct_io, memory_budget=int(config.memory_budget),
+                              threads=config.threads, read_size=int(config.read_size),
+                              max_alignment=max(direct.ALIGNMENTS))
 
 
-def _ranges(calls: Sequence[ReadCall | RowsCall]) -> list[tuple[int, int]]:
-    return [(c[0].offset, c[0].span) if isinstance(c[0], Rows) else (c[0], c[1]) for c in calls]
+def _ranges(calls: Sequence[_Probed]) -> list[tuple[int, int]]:
+    return [(c.rows.offset, c.rows.span) if isinstance(c, RowsCall) else (c[0], c[1]) for c in calls]
 
 
 def _span(ranges: Sequence[tuple[int, int]]) -> tuple[int, int]:
@@ -224,7 +279,7 @@ def _span(ranges: Sequence[tuple[int, int]]) -> tuple[int, int]:
     return min(offset for offset, _ in ranges), max(offset + length for offset, length in ranges)
 
 
-def cached_calls(fd: int, calls: Sequence[ReadCall | RowsCall]) -> bool:
+def cached_calls(fd: int, calls: Sequence[_Probed]) -> bool:
     """Whether the chunk is (as far as a cheap probe can tell) in the page cache: its first,
     middle and last byte can be read without waiting."""
     if not calls:
@@ -237,7 +292,7 @@ def cached_calls(fd: int, calls: Sequence[ReadCall | RowsCall]) -> bool:
 HOLE_SAMPLES = 64
 
 
-def _has_holes(fd: int, calls: Sequence[ReadCall | RowsCall]) -> bool:
+def _has_holes(fd: int, calls: Sequence[_Probed]) -> bool:
     """Whether pages of a chunk that probed as cached are missing from the page cache (as a host
     that reclaims idle page cache leaves a checkpoint read into it earlier)."""
     if not calls:
@@ -249,7 +304,7 @@ def _has_holes(fd: int, calls: Sequence[ReadCall | RowsCall]) -> bool:
     return share is not None and share < 1.0
 
 
-def advise(fd: int, calls: Sequence[ReadCall | RowsCall]) -> None:
+def advise(fd: int, calls: Sequence[_Probed]) -> None:
     """Tell the kernel to start reading these ranges now (``POSIX_FADV_WILLNEED``), for files
     read through the page cache.
 
@@ -287,16 +342,16 @@ def _after(first, task, *args) -> None:
     task(*args)
 
 
-def _read_batch(fd: int, path: str, batch: list[ReadCall | RowsCall], cached: bool = False) -> None:
+def _read_batch(fd: int, path: str, batch: list[Call], cached: bool = False) -> None:
     try:
         for call in batch:
-            dest = call[-1]
+            dest = call.dest
             view = memoryview(dest.numpy())
             populate(dest.data_ptr(), len(view))
-            if isinstance(call[0], Rows):
-                read_rows(fd, path, call[0], view, cached)
+            if isinstance(call, RowsCall):
+                read_rows(fd, path, call.rows, view, cached)
             else:
-                pread_into(fd, path, call[0], view)
+                pread_into(fd, path, call.offset, view)
     finally:
         # Drop our views of the buffer before the future completes: the worker thread keeps
         # its task (and so ``batch``) a moment longer, an error's traceback keeps this frame,
@@ -306,18 +361,18 @@ def _read_batch(fd: int, path: str, batch: list[ReadCall | RowsCall], cached: bo
 
 
 def _read_batch_direct(dfd: int, align: int, bounce_size: int, fd: int, path: str,
-                       batch: list[ReadCall | RowsCall]) -> None:
+                       batch: list[Call]) -> None:
     """Like ``_read_batch``, contiguous ranges through O_DIRECT (see ``direct``); slices along a
     later dim through the page cache with advice for exactly their pages. A file that turns
     out not to allow O_DIRECT is read buffered."""
     try:
         bounce = direct.bounce_for_thread(bounce_size)
         for i, call in enumerate(batch):
-            if isinstance(call[0], Rows):
+            if isinstance(call, RowsCall):
                 _read_batch(fd, path, [call])  # advised at submit (see ``advise_rows``)
                 continue
             try:
-                direct.read_into(dfd, align, path, call[0], call[2], bounce)
+                direct.read_into(dfd, align, path, call.offset, call.dest, bounce)
             except direct.DirectUnsupported:
                 advise(fd, batch[i:])  # read-ahead may be off on this descriptor
                 _read_batch(fd, path, batch[i:])
@@ -343,30 +398,20 @@ def advise_rows(fd: int, rows: Rows, ahead: bool = False) -> None:
             return  # advice only
 
 
-#: Gaps up to this size are read into a scratch buffer rather than skipped with a call per row.
-MAX_GAP = 1 << 20
-#: From the page cache, where the file is not mapped (see ``read_rows``), gaps up to this size
-#: are read through even where the plan skips them: a call per row (~3 us, plus the GIL) costs
-#: more than copying this many bytes into the scratch, and the disk is not involved. On an H200
-#: host the 16 row slices of a warm TP=2 rank-1 load (65536 segments, 4 and 14 KiB gaps) took
-#: 0.46 s row by row, 0.098 s through the gaps.
-CACHED_GAP = 32 << 10
 _scratch = threading.local()
 
 
 def read_rows(fd: int, path: str, rows: Rows, view: memoryview, cached: bool = False) -> None:
     """Read ``rows`` packed into ``view``. Where ``cached``: copied out of a mapping of the file
-    (``mapped.copy_rows``: 0.043 s for the slices above), or where the file is not mapped, read
-    through gaps up to ``CACHED_GAP``. Otherwise through the gaps (one ``preadv`` per batch of
-    rows) where the plan says so or they are shorter than a page, else with a call per row."""
+    (``mapped.copy_rows``); otherwise, or where the file cannot be mapped, through the gaps (one
+    ``preadv`` per batch of rows) where ``policy.read_through_gaps`` says so, else with a call per
+    row."""
     if cached and rows.count > 1 and mapped.copy_rows(fd, path, rows, view):
         return
     if not cached:
         advise_rows(fd, rows)  # what other ranks have not fetched yet (see ``row_pages``)
     seg, stride, gap = rows.seg, rows.stride, rows.stride - rows.seg
-    # Gaps under a page cost the disk nothing (every page they touch holds a segment too).
-    through = rows.gaps or gap <= (CACHED_GAP if cached else PAGE - 1)
-    if through and rows.count > 1 and gap <= MAX_GAP:
+    if policy.read_through_gaps(planned=rows.gaps, gap=gap, count=rows.count, cached=cached, page=PAGE):
         # One preadv per batch of rows; every gap lands in the same scratch buffer.
         sink = getattr(_scratch, "sink", None)
         if sink is None or len(sink) < gap:

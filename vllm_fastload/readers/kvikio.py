@@ -23,8 +23,7 @@ import torch
 from vllm_fastload.config import FastloadConfig
 from vllm_fastload.errors import ReadError
 from vllm_fastload.format import SafetensorsFile
-from vllm_fastload.plan import Rows
-from vllm_fastload.readers.base import Pending, ReadCall, RowsCall
+from vllm_fastload.readers.base import Call, Pending, RowsCall
 from vllm_fastload.readers.staging import StagedReader
 
 
@@ -109,11 +108,11 @@ class KvikioReader(StagedReader):
             handle = self._files[path] = self._kvikio.CuFile(path, "r")
         return handle
 
-    def submit(self, sf: SafetensorsFile, calls: Sequence[ReadCall | RowsCall]) -> Pending:
+    def submit(self, sf: SafetensorsFile, calls: Sequence[Call]) -> Pending:
         if sf.fd is None:
             raise ReadError("backend 'kvikio' reads local files only; use backend 'cuda' for objects", file=sf.path)
-        rows = [call for call in calls if isinstance(call[0], Rows)]
-        plain = [call for call in calls if not isinstance(call[0], Rows)]
+        rows: list[Call] = [call for call in calls if isinstance(call, RowsCall)]
+        plain = [call for call in calls if not isinstance(call, RowsCall)]
         handle = self._cufile(sf.path)
         staged = self.staging.start(self, sf, rows) if rows else []
         futures: list[Future] = []

@@ -21,6 +21,7 @@ import torch
 
 from vllm_fastload.libc import releasing_gil
 from vllm_fastload.readers.threads import run_on
+from vllm_fastload.sizes import round_up
 
 PAGE = mmap.PAGESIZE
 MADV_POPULATE_WRITE = 23
@@ -36,7 +37,7 @@ def populate(address: int, nbytes: int) -> bool:
 
     Returns whether it did. Advice only: any failure leaves the reads to fault as usual.
     """
-    lo = -(-address // PAGE) * PAGE
+    lo = round_up(address, PAGE)
     hi = (address + nbytes) // PAGE * PAGE
     if not _supported or hi - lo < MIN_BYTES:
         return False

@@ -8,10 +8,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from vllm_fastload.format import SafetensorsFile
-from vllm_fastload.readers.base import Pending, ReadCall, Reader, RowsCall
+from vllm_fastload.readers.base import Call, Pending, Reader
 
 
-def submit_to_source(sf: SafetensorsFile, calls: Sequence[ReadCall | RowsCall]) -> Pending:
+def submit_to_source(sf: SafetensorsFile, calls: Sequence[Call]) -> Pending:
     """Hand ``calls`` to the file's source, which has no descriptor to ``preadv``.
 
     Rows become one range per row (their gaps are the store's to coalesce: ranges closer than its

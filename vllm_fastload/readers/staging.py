@@ -21,15 +21,11 @@ from concurrent.futures import Future
 
 import torch
 
+from vllm_fastload import policy
 from vllm_fastload.config import FastloadConfig
 from vllm_fastload.format import SafetensorsFile
-from vllm_fastload.plan import Rows
-from vllm_fastload.readers.base import ReadCall, Reader, RowsCall, pread_into
+from vllm_fastload.readers.base import Call, Reader, RowsCall, pread_into
 from vllm_fastload.readers.host import advise_rows, cached_calls, read_rows
-
-#: Smallest slot worth a task: each batch costs a thread about 0.25 ms of Python and GIL hand-overs
-#: besides its read (on an H200 host a warm 5.6 GB read took 0.29 s in 8 MiB batches, 0.20 s in 16 MiB).
-MIN_SLOT = 16 << 20
 
 
 class StagedReader(Reader):
@@ -69,12 +65,8 @@ class PinnedStaging:
     """
 
     def __init__(self, config: FastloadConfig, device: torch.device) -> None:
-        # A quarter of the budget (the rest is for device chunk buffers), at least one page:
-        # slots smaller than MIN_SLOT or read_size if the budget is tight, fewer than threads.
-        share = int(config.memory_budget) // 4
-        wanted = max(int(config.read_size), MIN_SLOT)
-        self.slot_size = max(4096, min(wanted, share) // 4096 * 4096)
-        self.slots = max(1, min(config.threads, share // self.slot_size))
+        self.slot_size, self.slots = policy.staging_slots(memory_budget=int(config.memory_budget),
+                                                          read_size=int(config.read_size), threads=config.threads)
         self.read_size = int(config.read_size)
         self.threads = config.threads
         self.device = device
@@ -90,15 +82,14 @@ class PinnedStaging:
 
     @property
     def read_ahead(self) -> int:
-        """Enough queued work for two slots per thread: three 64 MiB chunks are only 12 tasks of
-        16 MiB for 16 threads (an H200 host's threads were then busy 79% of a warm load, 87%
-        with this read-ahead)."""
-        return 2 * self.threads * self.slot_size
+        """Queued work beyond the executor's chunks in flight (``policy.staging_read_ahead``): a
+        few large chunks are few tasks for many threads."""
+        return policy.staging_read_ahead(threads=self.threads, slot_size=self.slot_size)
 
-    def start(self, reader: Reader, sf: SafetensorsFile, calls: Sequence[ReadCall | RowsCall]) -> list[Future]:
+    def start(self, reader: Reader, sf: SafetensorsFile, calls: Sequence[Call]) -> list[Future]:
         """Start reading ``calls`` through the slots on ``reader``'s threads (rows advised to the
         kernel now); a future per batch, done when its bytes are on the device."""
-        rows = [call[0] for call in calls if isinstance(call[0], Rows)]
+        rows = [call.rows for call in calls if isinstance(call, RowsCall)]
         cached = False
         if rows and sf.fd is not None:
             cached = cached_calls(sf.fd, calls)
@@ -134,7 +125,7 @@ class PinnedStaging:
             with self._lock:
                 self._streams.append(stream)
 
-    def _stage(self, sf: SafetensorsFile, batch: list[ReadCall | RowsCall], cached: bool) -> None:
+    def _stage(self, sf: SafetensorsFile, batch: list[Call], cached: bool) -> None:
         slot, view = self._slot()
         placed = dest = None
         try:
@@ -159,7 +150,7 @@ class PinnedStaging:
             stream.synchronize()
 
 
-def fill_slot(sf: SafetensorsFile, slot: memoryview, batch: Sequence[ReadCall | RowsCall],
+def fill_slot(sf: SafetensorsFile, slot: memoryview, batch: Sequence[Call],
               cached: bool = False, read_size: int = 1 << 62) -> list[tuple[int, int, torch.Tensor]]:
     """Read a batch packed into ``slot``; return ``(slot offset, length, destination)`` per call.
 
@@ -171,7 +162,7 @@ def fill_slot(sf: SafetensorsFile, slot: memoryview, batch: Sequence[ReadCall | 
     placed, ranges, used = [], [], 0
     try:
         for call in batch:
-            if isinstance(call[0], Rows):
+            if isinstance(call, RowsCall):
                 rows, dest = call
                 length = rows.seg * rows.count
                 view = slot[used:used + length]

@@ -6,17 +6,22 @@ be slow there. The type comes from ``/proc/mounts`` (the longest mount point tha
 the file's real path, the rule the kernel itself uses); no syscall that could hang on a
 dead server is made.
 
-``tuned`` only fills fields the user left at their defaults (pydantic's ``model_fields_set``):
-an explicit setting always wins.
+``tuned`` applies the defaults ``policy.filesystem_defaults`` gives, only to fields the user left
+at their defaults (pydantic's ``model_fields_set``): an explicit setting always wins.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from vllm_fastload import policy
 
 if TYPE_CHECKING:
     from vllm_fastload.config import FastloadConfig
+
+logger = logging.getLogger("vllm_fastload")
 
 #: Filesystem types (as /proc/mounts spells them) whose reads cross a network.
 NETWORK = frozenset({
@@ -24,13 +29,6 @@ NETWORK = frozenset({
     "glusterfs", "fuse.glusterfs", "beegfs", "gpfs", "fuse.gcsfuse", "fuse.s3fs", "fuse.mountpoint-s3",
     "fuse.juicefs", "fuse.rclone", "virtiofs", "weka", "wekafs",
 })
-
-#: Defaults per network filesystem, for fields the user did not set. Measured on sshfs over
-#: loopback (docs/network-filesystems.md); the others share the reasoning until measured:
-#: - ``strided_min_skip``: a column slice read row by row is one small request per row, each a
-#:   round trip; reading the enclosing rows is a few large requests (the other rank's columns
-#:   are read and dropped, bytes the network delivers faster than it answers round trips).
-NETWORK_DEFAULTS: dict[str, Any] = {"strided_min_skip": 1 << 62}
 
 
 def filesystem_type(path: str | os.PathLike) -> str:
@@ -60,7 +58,8 @@ def is_network(fstype: str) -> bool:
 
 def tuned(config: FastloadConfig, path: str | os.PathLike) -> FastloadConfig:
     """``config`` with the defaults for ``path``'s filesystem in the fields the user left unset."""
-    if not is_network(filesystem_type(path)):
-        return config
-    update = {k: v for k, v in NETWORK_DEFAULTS.items() if k not in config.model_fields_set}
+    network = is_network(filesystem_type(path))
+    update = policy.filesystem_defaults(network=network, set_fields=config.model_fields_set)
+    if network:
+        logger.debug("fastload: network filesystem defaults for %s: %s", path, update or "none (all set)")
     return config.model_copy(update=update) if update else config

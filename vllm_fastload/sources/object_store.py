@@ -52,6 +52,7 @@ from vllm_fastload.errors import (
     StoreUnavailableError,
 )
 from vllm_fastload.format import INDEX_NAME, SafetensorsFile, header_length, parse_file, parse_weight_map
+from vllm_fastload.sizes import ceil_div
 from vllm_fastload.sources.uri import ObjectURI
 
 T = TypeVar("T")
@@ -479,8 +480,8 @@ class ObjectSource:
         """Fill ``view`` with the bytes from ``offset``: ``submit_into`` and wait."""
         view = _writable(view)
         self._check_bounds(offset, len(view), tensor)
-        requests = -(-len(view) // int(self.store.config.request_size)) or 1
-        rounds = -(-requests // self.store.in_flight)
+        requests = ceil_div(len(view), int(self.store.config.request_size)) or 1
+        rounds = ceil_div(requests, self.store.in_flight)
         self.store.run(self._fill(coalesce([(offset, view)], 0, int(self.store.config.request_size)), tensor),
                        uri=self.uri, rounds=rounds)
 
@@ -609,7 +610,7 @@ def read_safetensors_headers(store: Store, keys: Sequence[str]) -> list[Safetens
                 raise r
         return list(results)
 
-    rounds = 3 * -(-len(keys) // store.in_flight)
+    rounds = 3 * ceil_div(len(keys), store.in_flight)
     return store.run(all_headers(), uri=store.root.uri, rounds=max(rounds, 1))
 
 

@@ -14,6 +14,7 @@ buffer. The architecture test zoo (tests/vllm/zoo.py) runs through the same code
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import socket
@@ -86,7 +87,12 @@ def rank_main(rank: int, tp: int, port: int, out_dir: str, paths: list[str], mod
     ``out_dir/rank{rank}.json`` after each checkpoint (a crash keeps what was done)."""
     import torch
     from vllm.config import set_current_vllm_config
-    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+    from vllm.distributed import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+        ensure_model_parallel_initialized,
+        init_distributed_environment,
+    )
     from vllm.plugins import load_general_plugins
 
     cuda = torch.cuda.is_available()
@@ -106,6 +112,19 @@ def rank_main(rank: int, tp: int, port: int, out_dir: str, paths: list[str], mod
     with set_current_vllm_config(first):
         init_distributed_environment(tp, rank, f"tcp://127.0.0.1:{port}", rank, "nccl" if cuda else "gloo")
         ensure_model_parallel_initialized(tp, 1)
+    try:
+        _load_all(rank, out_dir, paths, modes, tp, dtype, more)
+    finally:
+        # vLLM's groups hold a shared-memory broadcast queue (rank 0 creates it); destroyed here,
+        # rank 0 unlinks it. Left to the interpreter's exit, it outlived the rank and Python's
+        # resource tracker reported it as leaked.
+        destroy_model_parallel()
+        destroy_distributed_environment()
+        gc.collect()
+
+
+def _load_all(rank: int, out_dir: str, paths: list[str], modes: dict, tp: int, dtype: str,
+              more: dict | None) -> None:
     results: dict = {}
     for path in paths:
         entry: dict = {}

@@ -1,0 +1,302 @@
+"""Tuning decisions, kept apart from the mechanisms that carry them out.
+
+Every choice fastload makes from what it knows (the device, the source, the filesystem, how much
+of a chunk the page cache holds, the CPUs, the config) is a pure function here, returning a typed
+decision; the readers, the executor and the sources gather the facts, ask, and do what they are
+told. Each threshold is a named constant with one line on what it trades. The runs behind the
+numbers are in docs/benchmarks.md, next to the commands that repeat them.
+
+Nothing here touches a file, a device or a thread: a decision can be tested as a table of facts
+to outcomes (tests/core/test_policy.py), and ``DecisionLog`` shows an operator, at debug level,
+what was decided from which facts.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Callable, Collection
+from typing import Literal, Protocol
+
+logger = logging.getLogger("vllm_fastload")
+
+#: A setting that fastload may decide (``auto``) or the user forces on or off.
+Mode = Literal["auto", "always", "never"]
+#: The reader backends.
+Backend = Literal["host", "cuda", "kvikio"]
+#: What the ``backend`` setting accepts.
+BackendSetting = Literal["auto", "host", "cuda", "kvikio"]
+
+# -- thresholds ------------------------------------------------------------------------------
+
+#: Fewest reader threads by default: enough I/O depth for a disk on a machine with few CPUs,
+#: where one thread per CPU would leave the disk idle between reads.
+MIN_THREADS = 4
+#: Most reader threads by default: more threads fault fresh memory in at once and contend.
+MAX_THREADS = 16
+#: Chunks read ahead of the one being delivered: each needs a buffer of fresh memory, and this
+#: many already keep every thread busy (each chunk is split into ``read_size`` pieces).
+CHUNKS_IN_FLIGHT = 3
+#: A chunk with at least this share of its pages cached is mapped (``map_cached``) with the
+#: missing pages advised, rather than read again whole with O_DIRECT (which re-fetches the
+#: cached pages from disk).
+MOSTLY_CACHED = 0.5
+#: The share of the memory budget the host reader's per-thread O_DIRECT buffers may take (1/4).
+BOUNCE_BUDGET_DIVISOR = 4
+#: The share of the memory budget the pinned staging slots may take (1/4); the rest holds chunks.
+STAGING_BUDGET_DIVISOR = 4
+#: Smallest pinned staging slot: each slot is a task with a fixed cost besides its read, so
+#: smaller slots spend more of the thread's time on scheduling than on reading.
+MIN_SLOT = 16 << 20
+#: Queued work for the staged readers, in slots per thread: two keep a thread busy while its
+#: previous slot's copy to the device finishes.
+SLOTS_AHEAD_PER_THREAD = 2
+#: From the page cache (no mapping), gaps between a slice's rows up to this size are read
+#: through into a scratch buffer: a call per row costs more than copying that many bytes.
+CACHED_GAP = 32 << 10
+#: Gaps larger than this are never read through (the scratch buffer would grow without bound).
+MAX_GAP = 1 << 20
+#: On a network filesystem a slice along a later dim is never read row by row: each row is a
+#: round trip, while the enclosing rows are a few large requests (``strided_min_skip``).
+NETWORK_STRIDED_MIN_SKIP = 1 << 62
+#: Defaults a network filesystem gets for the fields the user left unset.
+NETWORK_DEFAULTS: dict[str, object] = {"strided_min_skip": NETWORK_STRIDED_MIN_SKIP}
+
+
+# -- decisions -------------------------------------------------------------------------------
+
+
+class ChunkRead(str, enum.Enum):
+    """How the host reader reads one chunk."""
+
+    #: An object in a store: ranged requests to the source, destinations faulted in meanwhile.
+    REMOTE = "remote"
+    #: Cached: copies out of the page cache on the copier threads (one per CPU).
+    CACHED = "cached"
+    #: Cached, and several CPUs but fewer than threads: copies on the copiers while the other
+    #: threads fault the destinations in ahead of them.
+    CACHED_PREFAULTED = "cached, destinations faulted in ahead"
+    #: Mostly cached with pages missing: buffered reads on every thread (each miss waits on the
+    #: disk, so the misses are waited for in parallel), the range advised first.
+    HOLES = "cached with holes"
+    #: Not cached and no O_DIRECT (refused by the filesystem, or ``direct_io`` never): buffered
+    #: reads on every thread with read-ahead advice.
+    BUFFERED = "buffered"
+    #: Not cached: O_DIRECT into per-thread buffers on every thread; row slices through the page
+    #: cache with advice for exactly their pages.
+    DIRECT = "direct"
+
+
+class ChunkFacts(Protocol):
+    """What the host reader can learn of a chunk; each may cost a probe, so a decision asks only
+    for those it needs (an implementation probes on first access)."""
+
+    @property
+    def remote(self) -> bool:
+        """The file is an object in a store (no descriptor)."""
+
+    @property
+    def cached(self) -> bool:
+        """A cheap probe (first, middle and last page) finds the chunk in the page cache."""
+
+    @property
+    def holes(self) -> bool:
+        """A sample of the chunk's pages finds some missing (asked only of a cached chunk)."""
+
+    @property
+    def direct_ok(self) -> bool:
+        """The file can be read with O_DIRECT here (asked only of a chunk that is not cached)."""
+
+
+def chunk_read(facts: ChunkFacts, *, direct_io: Mode, copiers: int, threads: int) -> ChunkRead:
+    """How to read a chunk, from what is known of it.
+
+    Reads that wait on the disk want many threads (I/O depth); copies out of the page cache are
+    CPU work and want no more threads than CPUs.
+
+    Args:
+        facts: the chunk's facts, probed as they are asked for.
+        direct_io: the ``direct_io`` setting.
+        copiers: threads that copy out of the page cache (``copier_count``).
+        threads: the reader's threads.
+
+    Returns:
+        The way to read it.
+
+    Example:
+        >>> from types import SimpleNamespace as F
+        >>> chunk_read(F(remote=False, cached=False, direct_ok=True), direct_io="auto", copiers=2, threads=4)
+        <ChunkRead.DIRECT: 'direct'>
+    """
+    if facts.remote:
+        return ChunkRead.REMOTE
+    if direct_io != "always" and facts.cached:
+        if facts.holes:
+            return ChunkRead.HOLES
+        return ChunkRead.CACHED_PREFAULTED if 1 < copiers < threads else ChunkRead.CACHED
+    if direct_io == "never" or not facts.direct_ok:
+        return ChunkRead.BUFFERED
+    return ChunkRead.DIRECT
+
+
+class MapFacts(Protocol):
+    """What the host reader can learn of a chunk it might hand out as mapped views."""
+
+    @property
+    def cached(self) -> bool:
+        """A cheap probe finds the chunk in the page cache."""
+
+    @property
+    def cached_share(self) -> float | None:
+        """The share of a sample of its pages in the page cache (None: cannot be told)."""
+
+
+class MapChunk(str, enum.Enum):
+    """Whether a chunk is handed out as views of a private mapping of the file."""
+
+    #: Read into a buffer.
+    READ = "read"
+    #: Mapped as it is (cached).
+    MAP = "map"
+    #: Mapped, with its missing pages advised to the kernel first.
+    MAP_ADVISED = "map, missing pages advised"
+
+
+def map_chunk(facts: MapFacts, *, map_cached: bool, remote: bool, direct_io: Mode) -> MapChunk:
+    """Whether to map a chunk instead of reading it: cached chunks, mostly cached ones (where
+    O_DIRECT would fetch the whole chunk again), and with ``direct_io`` never every chunk.
+
+    Example:
+        >>> from types import SimpleNamespace as F
+        >>> map_chunk(F(cached=False, cached_share=0.9), map_cached=True, remote=False, direct_io="auto")
+        <MapChunk.MAP_ADVISED: 'map, missing pages advised'>
+    """
+    if not map_cached or remote or direct_io == "always":
+        return MapChunk.READ
+    if facts.cached:
+        return MapChunk.MAP
+    if direct_io != "never":
+        share = facts.cached_share
+        if share is None or share < MOSTLY_CACHED:
+            return MapChunk.READ  # read with O_DIRECT
+    return MapChunk.MAP_ADVISED
+
+
+def default_threads(cpus: int) -> int:
+    """Reader threads when the config names none: one per usable CPU, within
+    ``[MIN_THREADS, MAX_THREADS]``."""
+    return max(MIN_THREADS, min(MAX_THREADS, cpus))
+
+
+def copier_count(threads: int, cpus: int) -> int:
+    """Threads that copy out of the page cache: one per CPU the reader runs on, at most ``threads``."""
+    return min(threads, cpus)
+
+
+def bounce_size(*, direct_io: Mode, memory_budget: int, threads: int, read_size: int, max_alignment: int) -> int:
+    """Each host reader thread's O_DIRECT buffer: a read piece plus slack for aligning both ends,
+    within ``1/BOUNCE_BUDGET_DIVISOR`` of the memory budget; 0 (no O_DIRECT) if not even one
+    page beside the slack fits, or where ``direct_io`` is never."""
+    if direct_io == "never":
+        return 0
+    slack = 2 * max_alignment
+    share = memory_budget // BOUNCE_BUDGET_DIVISOR // threads // 4096 * 4096
+    size = min(read_size + slack, share)
+    return size if size >= slack + 4096 else 0
+
+
+def staging_slots(*, memory_budget: int, read_size: int, threads: int) -> tuple[int, int]:
+    """``(slot size, slots)`` of the pinned staging: ``1/STAGING_BUDGET_DIVISOR`` of the budget, at
+    least one page per slot; slots smaller than ``MIN_SLOT`` or ``read_size`` and fewer than
+    threads where the budget is tight."""
+    share = memory_budget // STAGING_BUDGET_DIVISOR
+    wanted = max(read_size, MIN_SLOT)
+    slot_size = max(4096, min(wanted, share) // 4096 * 4096)
+    return slot_size, max(1, min(threads, share // slot_size))
+
+
+def staging_read_ahead(*, threads: int, slot_size: int) -> int:
+    """Bytes of reads into the caller's own tensors worth queueing beyond ``CHUNKS_IN_FLIGHT``
+    for a staged reader: ``SLOTS_AHEAD_PER_THREAD`` slots per thread."""
+    return SLOTS_AHEAD_PER_THREAD * threads * slot_size
+
+
+def read_through_gaps(*, planned: bool, gap: int, count: int, cached: bool, page: int) -> bool:
+    """Whether a slice's rows are read with their gaps in one ``preadv`` per batch of rows (the
+    gaps into a scratch buffer) rather than with a call per row: where the plan says so, or the
+    gaps are under a page (the disk transfers those pages anyway), or under ``CACHED_GAP`` from the
+    page cache; never for gaps over ``MAX_GAP``, nor for a single row."""
+    through = planned or gap <= (CACHED_GAP if cached else page - 1)
+    return through and count > 1 and gap <= MAX_GAP
+
+
+def strided_min_skip(*, configured: int | None, remote: bool, coalesce_gap: int, reader_default: int) -> int:
+    """The ``strided_min_skip`` a plan uses: configured, else for objects the store's
+    ``coalesce_gap`` (a request costs about as much as that many bytes), else the reader's default."""
+    if configured is not None:
+        return configured
+    return coalesce_gap if remote else reader_default
+
+
+def filesystem_defaults(*, network: bool, set_fields: Collection[str]) -> dict[str, object]:
+    """Config fields to change for a checkpoint on this kind of filesystem: on a network
+    filesystem ``NETWORK_DEFAULTS`` for the fields the user left unset; else none."""
+    if not network:
+        return {}
+    return {k: v for k, v in NETWORK_DEFAULTS.items() if k not in set_fields}
+
+
+def backend(setting: BackendSetting, device_type: str, *, remote: bool, gds_live: Callable[[], bool]) -> Backend:
+    """The reader backend for a device.
+
+    ``auto``: host memory -> host; a GPU -> kvikio only where GPUDirect Storage is live (without
+    it kvikio reads through POSIX calls as the cuda backend does, without overlapping disk and
+    PCIe), else cuda; objects always through cuda's pinned staging (kvikio reads local paths only).
+
+    Args:
+        setting: the ``backend`` setting.
+        device_type: ``"cpu"`` or ``"cuda"``.
+        remote: the checkpoint is in an object store.
+        gds_live: asked only where the answer matters (it imports kvikio).
+
+    Returns:
+        The backend.
+
+    Raises:
+        ValueError: the setting cannot read into this device or this source.
+    """
+    if device_type == "cpu":
+        if setting not in ("auto", "host"):
+            raise ValueError(f"backend {setting!r} needs a CUDA device; device is {device_type}")
+        return "host"
+    if device_type != "cuda":
+        raise ValueError(f"unsupported device {device_type}; fastload reads into 'cpu' or 'cuda' memory")
+    if setting == "host":
+        raise ValueError("backend 'host' reads into host memory; use device='cpu' or backend 'cuda'")
+    if setting == "kvikio" and remote:
+        raise ValueError("backend 'kvikio' reads local files only; an object store checkpoint is read with "
+                         "backend 'cuda' (or 'auto')")
+    if setting != "auto":
+        return setting
+    if remote:
+        return "cuda"
+    return "kvikio" if gds_live() else "cuda"
+
+
+class DecisionLog:
+    """Logs each decision at debug level the first time it comes out a given way, with the facts
+    it was made from: one line per outcome per load, so an operator can see why fastload did
+    what it did without a line per chunk."""
+
+    def __init__(self) -> None:
+        self._seen: set[tuple[str, str]] = set()
+
+    def note(self, topic: str, outcome: object, **facts: object) -> None:
+        """Log ``outcome`` of ``topic`` (once per distinct outcome) with ``facts``."""
+        key = (topic, str(outcome))
+        if key in self._seen:
+            return
+        self._seen.add(key)
+        if logger.isEnabledFor(logging.DEBUG):
+            shown = getattr(outcome, "value", outcome)
+            logger.debug("fastload: %s: %s (%s)", topic, shown, ", ".join(f"{k}={v}" for k, v in facts.items()))
