@@ -1,0 +1,196 @@
+"""The tuning decisions (``vllm_fastload.policy``) as tables of facts to outcomes.
+
+The tables were first recorded from the readers as they decided before the decisions moved into
+the policy (every combination of the facts below), so they pin the behaviour, not a new one.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import pytest
+
+from vllm_fastload import policy
+from vllm_fastload.policy import ChunkRead, MapChunk
+
+ANY = object()
+
+
+def _matches(row: tuple, facts: tuple) -> bool:
+    return all(want is ANY or (facts[i] in want if isinstance(want, (set, frozenset)) else facts[i] == want)
+               for i, want in enumerate(row))
+
+
+@dataclass
+class Facts:
+    """Facts that record which of them a decision asked for (each is a probe in the reader)."""
+
+    remote: bool = False
+    cached: bool = False
+    holes: bool = False
+    direct_ok: bool = False
+    cached_share: float | None = None
+    asked: set[str] = field(default_factory=set)
+
+    def __getattribute__(self, name: str):
+        if name in ("cached", "holes", "direct_ok", "cached_share"):
+            object.__getattribute__(self, "asked").add(name)
+        return object.__getattribute__(self, name)
+
+
+#: (remote, direct_io, cached, holes, direct_ok, (copiers, threads)) -> how the chunk is read;
+#: the first matching row decides.
+CHUNK_READS = [
+    ((True, ANY, ANY, ANY, ANY, ANY), ChunkRead.REMOTE),
+    ((False, "always", ANY, ANY, False, ANY), ChunkRead.BUFFERED),
+    ((False, "always", ANY, ANY, True, ANY), ChunkRead.DIRECT),
+    ((False, ANY, True, True, ANY, ANY), ChunkRead.HOLES),
+    ((False, ANY, True, False, ANY, {(2, 4)}), ChunkRead.CACHED_PREFAULTED),
+    ((False, ANY, True, False, ANY, ANY), ChunkRead.CACHED),
+    ((False, "never", False, ANY, ANY, ANY), ChunkRead.BUFFERED),
+    ((False, "auto", False, ANY, False, ANY), ChunkRead.BUFFERED),
+    ((False, "auto", False, ANY, True, ANY), ChunkRead.DIRECT),
+]
+
+
+@pytest.mark.parametrize("remote,direct_io,cached,holes,direct_ok,layout", list(itertools.product(
+    [False, True], ["auto", "always", "never"], [False, True], [False, True], [False, True],
+    [(1, 1), (1, 4), (2, 4), (4, 4)])))
+def test_chunk_read_table(remote, direct_io, cached, holes, direct_ok, layout) -> None:
+    facts = Facts(remote, cached, holes, direct_ok)
+    key = (remote, direct_io, cached, holes, direct_ok, layout)
+    want = next(out for row, out in CHUNK_READS if _matches(row, key))
+    copiers, threads = layout
+    assert policy.chunk_read(facts, direct_io=direct_io, copiers=copiers, threads=threads) is want
+    # Probes are asked for only where they decide something.
+    if remote or direct_io == "always":
+        assert "cached" not in facts.asked and "holes" not in facts.asked
+    if not (direct_io != "always" and cached) or remote:
+        assert "holes" not in facts.asked
+    if remote or direct_io == "never" or (direct_io != "always" and cached):
+        assert "direct_ok" not in facts.asked
+
+
+#: (map_cached, remote, direct_io, cached, cached_share) -> whether a chunk is mapped.
+MAP_CHUNKS = [
+    ((False, ANY, ANY, ANY, ANY), MapChunk.READ),
+    ((True, True, ANY, ANY, ANY), MapChunk.READ),
+    ((True, False, "always", ANY, ANY), MapChunk.READ),
+    ((True, False, ANY, True, ANY), MapChunk.MAP),
+    ((True, False, "never", False, ANY), MapChunk.MAP_ADVISED),
+    ((True, False, "auto", False, {None, 0.2}), MapChunk.READ),
+    ((True, False, "auto", False, {0.5, 0.9}), MapChunk.MAP_ADVISED),
+]
+
+
+@pytest.mark.parametrize("map_cached,remote,direct_io,cached,share", list(itertools.product(
+    [False, True], [False, True], ["auto", "always", "never"], [False, True], [None, 0.2, 0.5, 0.9])))
+def test_map_chunk_table(map_cached, remote, direct_io, cached, share) -> None:
+    facts = Facts(cached=cached, cached_share=share)
+    want = next(out for row, out in MAP_CHUNKS if _matches(row, (map_cached, remote, direct_io, cached, share)))
+    assert policy.map_chunk(facts, map_cached=map_cached, remote=remote, direct_io=direct_io) is want
+    if not map_cached or remote or direct_io == "always":
+        assert not facts.asked  # no probe for a chunk that is read anyway
+    if cached or direct_io == "never":
+        assert "cached_share" not in facts.asked
+
+
+@pytest.mark.parametrize("setting,device,remote,gds,want", [
+    ("auto", "cpu", False, True, "host"),
+    ("host", "cpu", True, True, "host"),
+    ("auto", "cuda", False, True, "kvikio"),
+    ("auto", "cuda", False, False, "cuda"),
+    ("auto", "cuda", True, True, "cuda"),
+    ("cuda", "cuda", False, True, "cuda"),
+    ("kvikio", "cuda", False, False, "kvikio"),
+    ("cuda", "cpu", False, True, ValueError),
+    ("kvikio", "cpu", False, True, ValueError),
+    ("host", "cuda", False, True, ValueError),
+    ("kvikio", "cuda", True, True, ValueError),
+    ("auto", "mps", False, True, ValueError),
+])
+def test_backend_table(setting, device, remote, gds, want) -> None:
+    asked: list[bool] = []
+
+    def gds_live() -> bool:
+        asked.append(True)
+        return gds
+
+    if want is ValueError:
+        with pytest.raises(ValueError):
+            policy.backend(setting, device, remote=remote, gds_live=gds_live)
+        return
+    assert policy.backend(setting, device, remote=remote, gds_live=gds_live) == want
+    assert bool(asked) == (setting == "auto" and device == "cuda" and not remote)  # kvikio imported only then
+
+
+@pytest.mark.parametrize("cpus,want", [(1, 4), (2, 4), (4, 4), (8, 8), (16, 16), (64, 16)])
+def test_default_threads(cpus: int, want: int) -> None:
+    assert policy.default_threads(cpus) == want
+
+
+@pytest.mark.parametrize("threads,cpus,want", [(4, 1, 1), (4, 2, 2), (4, 8, 4), (16, 16, 16)])
+def test_copier_count(threads: int, cpus: int, want: int) -> None:
+    assert policy.copier_count(threads, cpus) == want
+
+
+@pytest.mark.parametrize("direct_io,budget,threads,read_size,want", [
+    ("never", 1 << 30, 4, 8 << 20, 0),
+    ("auto", 1 << 30, 4, 8 << 20, (8 << 20) + 8192),
+    ("always", 1 << 30, 4, 8 << 20, (8 << 20) + 8192),
+    ("auto", 16 << 20, 4, 8 << 20, 1 << 20),          # a quarter of the budget over four threads
+    ("auto", 65536, 4, 4096, 0),                      # not a page beside the slack: no O_DIRECT
+])
+def test_bounce_size(direct_io, budget, threads, read_size, want) -> None:
+    assert policy.bounce_size(direct_io=direct_io, memory_budget=budget, threads=threads, read_size=read_size,
+                              max_alignment=4096) == want
+
+
+@pytest.mark.parametrize("budget,read_size,threads,want", [
+    (1 << 30, 8 << 20, 8, (16 << 20, 8)),
+    (1 << 30, 32 << 20, 16, (32 << 20, 8)),
+    (16 << 20, 8 << 20, 8, (4 << 20, 1)),
+    (8192, 4096, 4, (4096, 1)),
+])
+def test_staging_slots(budget, read_size, threads, want) -> None:
+    assert policy.staging_slots(memory_budget=budget, read_size=read_size, threads=threads) == want
+    slot, _ = want
+    assert policy.staging_read_ahead(threads=threads, slot_size=slot) == 2 * threads * slot
+
+
+@pytest.mark.parametrize("planned,gap,count,cached,want", [
+    (True, 100, 10, False, True),
+    (True, 100, 1, False, False),                     # one row: nothing to read through
+    (True, (1 << 20) + 1, 10, False, False),          # too large a gap for the scratch
+    (False, 4095, 10, False, True),                   # under a page: the disk reads it anyway
+    (False, 4096, 10, False, False),
+    (False, 32 << 10, 10, True, True),                # from the page cache: cheaper than a call per row
+    (False, (32 << 10) + 1, 10, True, False),
+])
+def test_read_through_gaps(planned, gap, count, cached, want) -> None:
+    assert policy.read_through_gaps(planned=planned, gap=gap, count=count, cached=cached, page=4096) is want
+
+
+@pytest.mark.parametrize("configured,remote,want", [(123, True, 123), (0, False, 0), (None, True, 1 << 20),
+                                                     (None, False, 4096)])
+def test_strided_min_skip(configured, remote, want) -> None:
+    assert policy.strided_min_skip(configured=configured, remote=remote, coalesce_gap=1 << 20,
+                                   reader_default=4096) == want
+
+
+def test_filesystem_defaults() -> None:
+    assert policy.filesystem_defaults(network=False, set_fields=set()) == {}
+    assert policy.filesystem_defaults(network=True, set_fields=set()) == policy.NETWORK_DEFAULTS
+    assert policy.filesystem_defaults(network=True, set_fields={"strided_min_skip"}) == {}
+
+
+def test_each_outcome_is_logged_once_with_its_facts(caplog) -> None:
+    log = policy.DecisionLog()
+    with caplog.at_level("DEBUG", logger="vllm_fastload"):
+        log.note("host reader chunk", ChunkRead.DIRECT, cached=False, direct_ok=True)
+        log.note("host reader chunk", ChunkRead.DIRECT, cached=False, direct_ok=True)
+        log.note("host reader chunk", ChunkRead.CACHED, cached=True)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["fastload: host reader chunk: direct (cached=False, direct_ok=True)",
+                     "fastload: host reader chunk: cached (cached=True)"]
