@@ -106,7 +106,7 @@ class CheckpointFiles:
             pos += stop - start
         before = self._core.last_stats
         if targets:
-            self._core.read_into(targets, quiet=True)
+            self._core._read_into(targets, quiet=True)
         self._count(before)
         return out
 

@@ -22,24 +22,21 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from vllm_fastload.config import FastloadConfig
-from vllm_fastload.events import LoadProgress
+from vllm_fastload.events import Countdown, LoadProgress
 from vllm_fastload.format import TensorInfo
 from vllm_fastload.layers import LayerKey, layer_key
 
 
 class LayerReadiness:
     def __init__(self, tensors: Mapping[str, TensorInfo], config: FastloadConfig, *, show_bar: bool) -> None:
-        self._group_of: dict[str, LayerKey] = {}
-        self._pending: dict[LayerKey, set[str]] = {}
+        self._pending: Countdown[LayerKey, str] = Countdown((layer_key(name), name) for name in tensors)
         self._size: dict[LayerKey, tuple[int, int]] = {}
         for name, info in tensors.items():
             key = layer_key(name)
-            self._group_of[name] = key
-            self._pending.setdefault(key, set()).add(name)
             count, nbytes = self._size.get(key, (0, 0))
             self._size[key] = (count + 1, nbytes + info.nbytes)
         self.progress = LoadProgress(
-            total_bytes=sum(nbytes for _, nbytes in self._size.values()), total_layers=len(self._pending),
+            total_bytes=sum(nbytes for _, nbytes in self._size.values()), total_layers=len(self._size),
             callbacks=config.on_layer_ready, show_bar=show_bar, log_layers=config.log_layers,
             description="fastload-tgi")
 
@@ -49,15 +46,11 @@ class LayerReadiness:
 
     def served(self, name: str) -> bool:
         """Record that ``name`` (a routing key) was read; True when that made the last group ready."""
-        key = self._group_of.get(name)
-        if key is None:
-            return False  # added to the routing after construction (speculator heads): in no group
-        pending = self._pending[key]
-        if name not in pending:
+        # A name added to the routing after construction (speculator heads) is in no group.
+        done = self._pending.arrive(name)
+        if not done:
             return False
-        pending.discard(name)
-        if pending:
-            return False
+        key = done[0]
         count, nbytes = self._size[key]
         self.progress.layer_done(key.layer, key.name, count, nbytes)
         if self.done:

@@ -5,6 +5,7 @@ Importing this package never imports vLLM (the vLLM loader lives in
 """
 
 from vllm_fastload.api import FastCheckpoint, open
+from vllm_fastload.checkpoint import Checkpoint
 from vllm_fastload.config import ConfigError, FastloadConfig
 from vllm_fastload.errors import (
     AccessDeniedError,
@@ -23,12 +24,15 @@ from vllm_fastload.errors import (
     TruncatedFileError,
 )
 from vllm_fastload.events import LayerEvent
-from vllm_fastload.plan import TensorRequest
+from vllm_fastload.executor import LoadStats
+from vllm_fastload.format import TensorInfo
+from vllm_fastload.plan import LayerGroup, Plan, PlannedTensor, TensorRequest
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AccessDeniedError",
+    "Checkpoint",
     "CheckpointError",
     "ConfigError",
     "FastCheckpoint",
@@ -38,11 +42,16 @@ __all__ = [
     "IndexMismatchError",
     "InvalidRequestError",
     "LayerEvent",
+    "LayerGroup",
+    "LoadStats",
     "MissingFileError",
     "OutsideCheckpointError",
+    "Plan",
     "PlanError",
+    "PlannedTensor",
     "ReadError",
     "StoreUnavailableError",
+    "TensorInfo",
     "TensorMetadataError",
     "TensorNotFoundError",
     "TensorRequest",

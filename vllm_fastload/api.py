@@ -14,9 +14,9 @@ from vllm_fastload.checkpoint import Checkpoint
 from vllm_fastload.config import FastloadConfig
 from vllm_fastload.errors import InvalidRequestError
 from vllm_fastload.events import LoadProgress, resolve_callback
-from vllm_fastload.executor import LoadStats, PlanExecutor
+from vllm_fastload.executor import Delivered, LoadStats, PlanExecutor
 from vllm_fastload.format import TensorInfo
-from vllm_fastload.plan import LayerGroup, Plan, TensorRequest, build_plan, plan_tensor
+from vllm_fastload.plan import LayerGroup, Plan, PlannedTensor, TensorRequest, build_plan, plan_tensor
 from vllm_fastload.readers import Reader, make_reader, pagecache
 from vllm_fastload.sources import fstype
 from vllm_fastload.tensors import CASTABLE, cast, torch_dtype, torch_shape
@@ -82,19 +82,27 @@ class FastCheckpoint:
 
     # -- metadata ---------------------------------------------------------------------------
     def keys(self) -> list[str]:
+        """The checkpoint's tensor names, sorted."""
         return sorted(self.checkpoint.tensors)
 
     def metadata(self) -> dict[str, str]:
+        """The files' ``__metadata__`` entries, merged."""
         merged: dict[str, str] = {}
         for sf in self.checkpoint.files.values():
             merged.update(sf.metadata)
         return merged
 
     def info(self, name: str) -> TensorInfo:
+        """Where a tensor is and what it holds (file, dtype, shape, byte range).
+
+        Raises:
+            TensorNotFoundError: no tensor of this name in the checkpoint.
+        """
         return self.checkpoint.info(name)
 
     @property
     def reader(self) -> Reader:
+        """The reader backend (made on first use, see ``policy.backend``)."""
         if self._closed:
             raise ValueError(f"checkpoint {self.checkpoint.source} is closed")
         if self._reader is None:
@@ -108,27 +116,12 @@ class FastCheckpoint:
         if self.checkpoint.is_remote:
             return None
         if names is None:
-            return self._cached_share_of_files()
-        found = weight = 0.0
-        for name in names:
-            info = self.checkpoint.info(name)
-            share = pagecache.cached_share(self.checkpoint.files[info.file].fd, info.start, info.end)
-            if share is None:
-                return None
-            found += share * info.nbytes
-            weight += info.nbytes
-        return found / weight if weight else None
-
-    def _cached_share_of_files(self) -> float | None:
-        found = weight = 0.0
-        for file in self.checkpoint.files.values():
-            size = os.fstat(file.fd).st_size
-            share = pagecache.cached_share(file.fd, 0, size, samples=64)
-            if share is None:
-                return None
-            found += share * size
-            weight += size
-        return found / weight if weight else None
+            spans = [(f.fd, 0, os.fstat(f.fd).st_size, 64) for f in self.checkpoint.files.values()
+                     if f.fd is not None]
+        else:
+            infos = [self.checkpoint.info(name) for name in names]
+            spans = [(self.checkpoint.files[i.file].fd, i.start, i.end, 16) for i in infos]
+        return _weighted_cached_share(spans)
 
     @property
     def on_network_filesystem(self) -> bool:
@@ -148,45 +141,111 @@ class FastCheckpoint:
 
     def plan(self, requests: Iterable[RequestLike] | None = None, *,
              dests: Mapping[str, torch.Tensor] | None = None) -> Plan:
-        """The plan these requests would execute (inspect it with ``plan.summary()``)."""
+        """The plan these requests would execute, nothing read.
+
+        Args:
+            requests: tensor names or ``TensorRequest`` slices; None: every tensor.
+            dests: result key -> the caller's tensor the bytes land in directly (as ``read_into``
+                gives them).
+
+        Returns:
+            The plan (``plan.summary()`` prints bytes per file and layer, and read amplification).
+
+        Example:
+            >>> print(ckpt.plan([TensorRequest("lm_head.weight", dim=0, start=0, length=16000)]).summary())
+        """
         requests = self.keys() if requests is None else requests
         return build_plan(self.checkpoint, requests, aggregate_size=int(self.config.aggregate_size),
                           strided_min_skip=self.strided_min_skip, dests=dests)
 
     # -- reading ----------------------------------------------------------------------------
     def get_tensor(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The whole tensor, owned by the caller."""
+        """The whole tensor, owned by the caller.
+
+        Args:
+            name: the tensor's name in the checkpoint.
+            dtype: convert floating point tensors to this dtype (others are returned as they are).
+
+        Raises:
+            TensorNotFoundError: no tensor of this name.
+            ReadError: the read failed.
+        """
         return self._read_owned(TensorRequest(name), dtype)
 
     def get_slice(self, name: str, dim: int = 0, start: int = 0, length: int | None = None,
                   dtype: torch.dtype | None = None) -> torch.Tensor:
-        """``[start, start + length)`` along ``dim`` (to the end if ``length`` is None), owned and contiguous."""
+        """``[start, start + length)`` along ``dim`` (to the end if ``length`` is None), owned and contiguous.
+
+        Raises:
+            TensorNotFoundError: no tensor of this name.
+            InvalidRequestError: the slice does not fit the tensor.
+            ReadError: the read failed.
+
+        Example:
+            >>> ckpt.get_slice("model.layers.0.self_attn.o_proj.weight", dim=1, start=0, length=2048).shape
+            torch.Size([4096, 2048])
+        """
         return self._read_owned(TensorRequest(name, dim, start, length), dtype)
 
     def iter_tensors(self, names: Iterable[RequestLike] | None = None, *,
                      dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield ``(key, tensor)`` in layer order through aggregated reads; fires ``on_layer_ready``."""
+        """Yield ``(key, tensor)`` in layer order through aggregated reads; fires ``on_layer_ready``.
+
+        Args:
+            names: tensor names or ``TensorRequest`` slices; None: every tensor.
+            dtype: convert floating point tensors to this dtype.
+
+        Yields:
+            The request's key and a view valid for as long as the caller holds it (see the
+            class docstring).
+
+        Example:
+            >>> for name, tensor in ckpt.iter_tensors():
+            ...     model.state_dict()[name].copy_(tensor)
+        """
         plan = self.plan(names)
         for planned, tensor in self._execute(plan):
             yield planned.key, cast(tensor, dtype)
 
-    def read_into(self, targets: Mapping[RequestLike, torch.Tensor], *,
-                  extra: Iterable[RequestLike] = (),
-                  on_tensor: Callable[[str, torch.Tensor], object] | None = None,
-                  on_layer_end: Callable[[LayerGroup], object] | None = None,
-                  check: Callable[[Plan], object] | None = None,
-                  quiet: bool = False) -> LoadStats:
-        """Read each request straight into the caller's tensor (same shape; dtype equal or castable).
+    def read_into(self, targets: Mapping[RequestLike, torch.Tensor]) -> LoadStats:
+        """Read each request straight into the caller's tensor.
 
         Contiguous destinations on the reader's device with the checkpoint's dtype receive the
         bytes directly (no intermediate copy); others are filled from a read buffer with
-        ``copy_`` (which also converts the dtype, on the destination's device). Requests in
-        ``extra`` are read in the same pass and handed to ``on_tensor(key, tensor)`` as views
-        (valid during the call). ``on_layer_end(group)`` runs once a layer's tensors are all
-        delivered, before its layer event (e.g. to finish filling its parameters, see ``exchange``).
-        ``check(plan)`` runs on the plan before anything is read; what it raises stops the read.
-        Layer events fire as in ``iter_tensors`` unless ``quiet`` (for callers that read piecemeal
-        and track readiness themselves).
+        ``copy_`` (which also converts the dtype, on the destination's device). Layer events fire
+        as in ``iter_tensors``.
+
+        Args:
+            targets: request (a tensor name or a ``TensorRequest``) -> a tensor of the request's
+                shape, with its dtype or one it converts to (float16, bfloat16, float32, float64).
+
+        Returns:
+            What the read did (bytes, tensors, chunks).
+
+        Raises:
+            TensorNotFoundError: a requested tensor is not in the checkpoint.
+            InvalidRequestError: a slice does not fit its tensor, or a destination its request.
+            ReadError: the read failed (the error names the file and the tensor).
+
+        Example:
+            >>> w = torch.empty(4096, 4096, dtype=torch.bfloat16)
+            >>> ckpt.read_into({"model.layers.0.mlp.down_proj.weight": w}).bytes_read
+            33554432
+        """
+        return self._read_into(targets)
+
+    def _read_into(self, targets: Mapping[RequestLike, torch.Tensor], *, extra: Iterable[RequestLike] = (),
+                   on_tensor: Callable[[str, torch.Tensor], object] | None = None,
+                   on_layer_end: Callable[[LayerGroup], object] | None = None,
+                   check: Callable[[Plan], object] | None = None, quiet: bool = False) -> LoadStats:
+        """``read_into`` with the hooks an engine adapter needs (the vLLM loader, TGI's patch).
+
+        Requests in ``extra`` are read in the same pass and handed to ``on_tensor(key, tensor)`` as
+        views (valid during the call). ``on_layer_end(group)`` runs once a layer's tensors are all
+        delivered, before its layer event (e.g. to finish filling its parameters, see
+        ``exchange``). ``check(plan)`` runs on the plan before anything is read; what it raises
+        stops the read. ``quiet``: no layer events and no bar (for callers that read piecemeal and
+        track readiness themselves).
         """
         requests: list[TensorRequest] = []
         by_key: dict[str, torch.Tensor] = {}
@@ -211,6 +270,7 @@ class FastCheckpoint:
                 dest.copy_(tensor)
             elif on_tensor is not None:
                 on_tensor(planned.key, tensor)
+        assert self.last_stats is not None  # set when the execution ends
         return self.last_stats
 
     # -- internals --------------------------------------------------------------------------
@@ -230,7 +290,7 @@ class FastCheckpoint:
                     out.copy_(tensor)
         return cast(out, dtype)
 
-    def _check_destination(self, planned, dest: torch.Tensor) -> None:
+    def _check_destination(self, planned: PlannedTensor, dest: torch.Tensor) -> None:
         shape = torch_shape(planned)
         if tuple(dest.shape) != shape:
             raise InvalidRequestError(f"destination shape {list(dest.shape)} != checkpoint shape {list(shape)}",
@@ -241,7 +301,7 @@ class FastCheckpoint:
                                       f"{planned.info.dtype} (only float16/bfloat16/float32/float64 convert)",
                                       file=planned.info.file, tensor=planned.key)
 
-    def _can_read_directly(self, planned, dest: torch.Tensor) -> bool:
+    def _can_read_directly(self, planned: PlannedTensor, dest: torch.Tensor) -> bool:
         """Bytes can land in ``dest`` as they are; enclosing rows only with a reader that skips the gaps."""
         return ((planned.strategy != "enclosing" or self.reader.reads_rows) and dest.dtype == torch_dtype(planned)
                 and dest.is_contiguous() and dest.device == self.reader.device)
@@ -254,7 +314,7 @@ class FastCheckpoint:
         return self._pool
 
     def _execute(self, plan: Plan, *, quiet: bool = False,
-                 on_layer_end: Callable[[LayerGroup], object] | None = None):
+                 on_layer_end: Callable[[LayerGroup], object] | None = None) -> Iterator[Delivered]:
         """Run a plan; ``quiet`` (single-tensor reads) skips the bar and the layer callbacks."""
         progress = None if quiet else LoadProgress(
             total_bytes=plan.read_bytes, total_layers=len(plan.groups), callbacks=self.config.on_layer_ready,
@@ -268,8 +328,40 @@ class FastCheckpoint:
             self.last_stats = executor.stats
 
 
+def _weighted_cached_share(spans: Iterable[tuple[int | None, int, int, int]]) -> float | None:
+    """The page cache's share of the bytes of ``(descriptor, start, end, samples)`` spans, each
+    weighted by its length; None where a span's share cannot be told."""
+    found = weight = 0.0
+    for fd, start, end, samples in spans:
+        share = None if fd is None else pagecache.cached_share(fd, start, end, samples=samples)
+        if share is None:
+            return None
+        found += share * (end - start)
+        weight += end - start
+    return found / weight if weight else None
+
+
 def open(path: str | os.PathLike, device: str | torch.device = "cpu",
          config: FastloadConfig | Mapping[str, Any] | None = None) -> FastCheckpoint:
-    """Open a checkpoint (directory with index, directory of shards, or one file; or the same
-    below an object store URI such as ``s3://bucket/prefix``)."""
+    """Open a checkpoint: headers parsed and validated, nothing read yet.
+
+    Args:
+        path: a directory with an index, a directory of ``*.safetensors`` shards, one file, or the
+            same below an object store URI such as ``s3://bucket/prefix``.
+        device: where tensors are read to (``"cpu"`` or a CUDA device).
+        config: a ``FastloadConfig`` or a dict of its fields (used as given; ``FASTLOAD_*``
+            variables apply only where it is None).
+
+    Returns:
+        The open checkpoint (a context manager).
+
+    Raises:
+        MissingFileError: the path or a file its index names does not exist.
+        HeaderError: a header is unreadable or invalid.
+        ConfigError: a config value is unknown or invalid.
+
+    Example:
+        >>> with vllm_fastload.open("/models/llama") as ckpt:
+        ...     w = ckpt.get_tensor("model.embed_tokens.weight")
+    """
     return FastCheckpoint(path, device, config)

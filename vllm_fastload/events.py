@@ -10,12 +10,17 @@ from __future__ import annotations
 import importlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from vllm_fastload.config import ConfigError, LayerCallback
 
 logger = logging.getLogger("vllm_fastload")
+
+K = TypeVar("K")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -33,20 +38,69 @@ class LayerEvent:
     bytes_total: int
 
 
+def import_target(spec: str) -> object:
+    """The object ``"package.module:attr.path"`` names, imported now.
+
+    Raises:
+        ImportError: the module cannot be imported.
+        AttributeError: it has no such attribute.
+    """
+    module_name, _, path = spec.partition(":")
+    obj: object = importlib.import_module(module_name)
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 def resolve_callback(spec: str | LayerCallback) -> LayerCallback:
     """A callable, or ``"package.module:function"`` imported now (so typos fail at start-up)."""
     if callable(spec):
         return spec
-    module_name, _, attr = spec.partition(":")
     try:
-        obj = importlib.import_module(module_name)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
+        obj = import_target(spec)
     except (ImportError, AttributeError) as exc:
         raise ConfigError(f"on_layer_ready: cannot import {spec!r}: {exc}") from exc
     if not callable(obj):
         raise ConfigError(f"on_layer_ready: {spec!r} is not callable")
     return obj
+
+
+class Countdown(Generic[K, T]):
+    """Keys that each wait for some items: tells which keys an arriving item completes.
+
+    Readiness is counted this way wherever tensors arrive in an order no plan predicts (TGI's
+    calls) or where a key waits for several reads (a parameter written from several tensors).
+    An item may be due several times for a key (several planned reads of one tensor); an
+    arrival nobody waits for any more is ignored.
+
+    Example:
+        >>> c = Countdown([("layer 0", "a"), ("layer 0", "b")])
+        >>> c.arrive("a"), c.arrive("b")
+        ([], ['layer 0'])
+    """
+
+    def __init__(self, waits: Iterable[tuple[K, T]]) -> None:
+        self._due: dict[K, Counter[T]] = {}
+        self._keys_of: dict[T, list[K]] = {}
+        for key, item in waits:
+            due = self._due.setdefault(key, Counter())
+            if not due[item]:
+                self._keys_of.setdefault(item, []).append(key)
+            due[item] += 1
+
+    def arrive(self, item: T) -> list[K]:
+        """Count one arrival of ``item``; the keys it completed (in the order first seen)."""
+        done = []
+        for key in self._keys_of.get(item, ()):
+            due = self._due[key]
+            if not due[item]:
+                continue
+            due[item] -= 1
+            if not due[item]:
+                del due[item]
+                if not due:
+                    done.append(key)
+        return done
 
 
 class LoadProgress:

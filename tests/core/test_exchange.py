@@ -79,7 +79,7 @@ def _worker(rank: int, world: int, port: int, path: str, uneven: bool, cast: boo
                 seen.append(swap.take(key, tensor))
 
             try:
-                ckpt.read_into(read, extra=swap.row_requests(), on_tensor=on_tensor, on_layer_end=swap.layer_done)
+                ckpt._read_into(read, extra=swap.row_requests(), on_tensor=on_tensor, on_layer_end=swap.layer_done)
             except BaseException as exc:
                 swap.abort(exc)  # as the vLLM loader does
                 raise

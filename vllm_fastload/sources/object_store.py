@@ -379,11 +379,8 @@ class Store:
         """Pin ``key`` (one HEAD): later reads fail if it is replaced."""
         return ObjectSource(self, self.run(self.head(key), uri=self.uri_of(key)))
 
-    def open_with_prefix(self, key: str, length: int) -> tuple[ObjectSource, memoryview]:
+    async def open_with_prefix(self, key: str, length: int) -> tuple[ObjectSource, memoryview]:
         """Pin ``key`` and read its first ``length`` bytes in one GET (the identity comes with the bytes)."""
-        return self.run(self._open_with_prefix(key, length), uri=self.uri_of(key), rounds=2)
-
-    async def _open_with_prefix(self, key: str, length: int) -> tuple[ObjectSource, memoryview]:
         try:
             data, info = await self.get_range(key, 0, length)
         except ReadError as exc:
@@ -591,7 +588,7 @@ def read_safetensors_header(store: Store, key: str) -> SafetensorsFile:
 
 
 async def _read_header(store: Store, key: str) -> SafetensorsFile:
-    source, head = await store._open_with_prefix(key, int(store.config.header_prefetch))
+    source, head = await store.open_with_prefix(key, int(store.config.header_prefetch))
     n = header_length(source.uri, head, source.size)
     raw = bytes(head[8:8 + n])
     if len(raw) < n:

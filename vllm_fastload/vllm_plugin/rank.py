@@ -195,7 +195,7 @@ def _load_planned(ckpt: vllm_fastload.FastCheckpoint, reads: RankReads, sharing:
             readiness.planned(plan)
 
     try:
-        ckpt.read_into(targets, extra=slabs, on_tensor=on_tensor, on_layer_end=on_layer_end, check=check)
+        ckpt._read_into(targets, extra=slabs, on_tensor=on_tensor, on_layer_end=on_layer_end, check=check)
     except BaseException as exc:
         if swap is not None:
             try:
