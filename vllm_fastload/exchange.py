@@ -72,8 +72,22 @@ class ExchangeStats:
     seconds: float = 0.0
 
 
-#: What a rank says of one tensor it slices: ``(torch shape, dtype, dim, start, length)``.
-Candidate = tuple[tuple[int, ...], str, int, int, int]
+@dataclass(frozen=True)
+class Candidate:
+    """What a rank says of one tensor it slices along a later dim."""
+
+    #: The tensor's shape in torch's units.
+    shape: tuple[int, ...]
+    #: The checkpoint's dtype name (``TensorInfo.dtype``).
+    dtype: str
+    dim: int
+    start: int
+    length: int
+
+    @property
+    def layout(self) -> tuple[tuple[int, ...], str, int]:
+        """What every rank must agree on to share the tensor: shape, dtype and dim."""
+        return self.shape, self.dtype, self.dim
 
 
 def candidates(targets: Mapping[TensorRequest, torch.Tensor], infos: Mapping[str, TensorInfo]) -> dict[str, Candidate]:
@@ -92,7 +106,7 @@ def candidates(targets: Mapping[TensorRequest, torch.Tensor], infos: Mapping[str
         if dim == 0:
             continue  # a dim-0 slice is already one contiguous range
         length = shape[dim] - req.start if req.length is None else req.length
-        found[req.name] = (shape, info.dtype, dim, req.start, length)
+        found[req.name] = Candidate(shape, info.dtype, dim, req.start, length)
     return {name: c for name, c in found.items() if seen[name] == 1}
 
 
@@ -144,12 +158,12 @@ def agree(collectives: Collectives, targets: Mapping[TensorRequest, torch.Tensor
     shared: dict[str, SharedTensor] = {}
     for name in sorted(set.intersection(*(set(c) for c in everyone))):
         # Same shape, dtype and dim on every rank (ranks reading different copies share nothing).
-        if len({c[name][:3] for c in everyone}) != 1:
+        if len({c[name].layout for c in everyone}) != 1:
             continue
-        shape, _, dim = everyone[0][name][:3]
+        shape, _, dim = everyone[0][name].layout
         if shape[0] < world:
             continue  # fewer rows than ranks: some rank would read nothing; not worth a special case
-        columns = tuple((c[name][3], c[name][4]) for c in everyone)
+        columns = tuple((c[name].start, c[name].length) for c in everyone)
         shared[name] = SharedTensor(name, shape, dim, columns, _split_rows(shape[0], world))
     if not shared:
         return None

@@ -20,15 +20,19 @@ from __future__ import annotations
 import math
 import operator
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
 from vllm_fastload.checkpoint import Checkpoint
 from vllm_fastload.errors import InvalidRequestError, PlanError
 from vllm_fastload.format import TensorInfo
 from vllm_fastload.layers import LayerKey, layer_key
 from vllm_fastload.sizes import contiguous_strides, round_up
+
+if TYPE_CHECKING:
+    import torch
 
 #: Buffer positions that start a new read are aligned to this (covers every dtype, and
 #: the 4 KiB-friendly sizes GPUDirect Storage prefers are multiples of it).
@@ -138,21 +142,30 @@ class RowRanges(Sequence[tuple[int, int]]):
         return f"RowRanges({self._rows!r})"
 
 
+#: How a request is read: the whole tensor; one contiguous range of it (a dim-0 slice, or one
+#: where every outer dim is 1); a slice along a later dim row by row ("strided"); or the rows
+#: enclosing it, narrowed afterwards ("enclosing").
+Strategy = Literal["whole", "contiguous", "strided", "enclosing"]
+
+
 @dataclass
 class PlannedTensor:
     """One request resolved against the file: what to read and how to view it afterwards."""
 
     request: TensorRequest
     info: TensorInfo
-    shape: tuple[int, ...]          # shape of the result
-    strategy: str                   # "whole" | "contiguous" | "strided" | "enclosing"
-    ranges: Sequence[tuple[int, int]]  # (file offset, length) in result order
+    #: Shape of the result.
+    shape: tuple[int, ...]
+    strategy: Strategy
+    #: ``(file offset, length)`` of the bytes read, in result order.
+    ranges: Sequence[tuple[int, int]]
     needed_bytes: int
     layer: LayerKey
-    # For "enclosing": element strides of the view over the read bytes.
+    #: For "enclosing": element strides of the view over the read bytes.
     view_strides: tuple[int, ...] | None = None
-    dest: object = None             # caller-given destination (torch.Tensor) for read_into
-    # For "strided" and "enclosing": the same ranges as row geometry, for direct reads.
+    #: The caller's destination (``read_into``), where the bytes land directly.
+    dest: torch.Tensor | None = None
+    #: For "strided" and "enclosing": the same ranges as row geometry, for direct reads.
     rows: Rows | None = None
 
     @property
@@ -394,7 +407,7 @@ def _build_chunks(tensors: Sequence[PlannedTensor], aggregate_size: int) -> list
 
 def build_plan(checkpoint: Checkpoint, requests: Iterable[TensorRequest | str], *,
                aggregate_size: int, strided_min_skip: int,
-               dests: dict[str, object] | None = None) -> Plan:
+               dests: Mapping[str, torch.Tensor] | None = None) -> Plan:
     """The per-rank plan: every request resolved, grouped by layer, coalesced into chunks."""
     groups: dict[LayerKey, LayerGroup] = {}
     seen: set[str] = set()

@@ -178,7 +178,7 @@ def test_candidates_count_f4_in_torch_units() -> None:
     info = TensorInfo("experts.w13", "m.safetensors", "F4", (3, 8, 16), 0, 3 * 8 * 16 // 2)
     got = exchange.candidates({TensorRequest("experts.w13", dim=1, start=4, length=4): None},
                                {"experts.w13": info})
-    assert got == {"experts.w13": ((3, 8, 8), "F4", 1, 4, 4)}
+    assert got == {"experts.w13": exchange.Candidate((3, 8, 8), "F4", 1, 4, 4)}
 
 
 def test_no_exchange_when_a_rank_reads_nothing_by_plan(tmp_path) -> None:
