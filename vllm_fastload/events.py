@@ -106,7 +106,7 @@ class Countdown(Generic[K, T]):
 class LoadProgress:
     """Tracks bytes and layer groups; drives callbacks, the tqdm bar and debug log lines."""
 
-    #: Seconds between redraws of the bar: each costs the loading thread about half a millisecond.
+    #: Seconds between redraws of the bar: each redraw is work on the loading thread.
     REFRESH_S = 0.5
 
     def __init__(self, *, total_bytes: int, total_layers: int,

@@ -175,7 +175,7 @@ def _after_consumer_work(chunk: Chunk, buf: Buffer | None) -> None:
     if isinstance(target, torch.Tensor) and target.is_cuda:
         stream = torch.cuda.current_stream(target.device)
         # query() first: synchronize() gives up the GIL, and with the reader's threads busy this
-        # thread waits to get it back (up to 5 ms) even when the stream has nothing queued.
+        # thread waits to get it back even when the stream has nothing queued.
         if not stream.query():
             stream.synchronize()
 

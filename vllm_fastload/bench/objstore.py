@@ -1,8 +1,8 @@
 """An S3-compatible server on loopback for ``vllm-fastload bench --source s3``, and what the
 benchmark measures around it: bytes served per rank, the server's own limit, a download.
 
-The server is the npm package ``s3rver`` (measured ~0.23 GB/s for ranged GETs on a busy 2-core
-machine, where moto serves ~0.03 GB/s), installed into ``.fastload/s3rver`` with
+The server is the npm package ``s3rver`` (several times faster for ranged GETs than moto; see
+docs/benchmarks.md), installed into ``.fastload/s3rver`` with
 ``npm install --prefix .fastload/s3rver s3rver@3.7.1`` (``ensure_s3rver`` does it where npm is
 available), never globally. Every client reaches it through a ``CountingProxy``: one per TP
 rank (the worker hook points each rank's ``AWS_ENDPOINT_URL`` at its own proxy), so bytes

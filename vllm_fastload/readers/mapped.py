@@ -2,11 +2,9 @@
 
 Two uses. ``copy_rows``: row slices copied out of a shared mapping.
 
-A strided copy out of a mapping moves only the rank's own bytes and costs no Python per row. On an
-H200 host, the 16 row-parallel slices of a warm TP=2 rank-1 load (0.60 GB of 8 Llama-3-8B layers)
-took 0.043 s this way. Read through their gaps, with one ``preadv`` per batch of rows, they took
-0.098 s: that moves the other rank's half too and builds two iovecs per row. With a call per row
-they took 0.46 s. The whole rank-1 load went from 1.04x to 0.67x the time of a full (TP=1) load.
+A strided copy out of a mapping moves only the rank's own bytes and costs no Python per row, where
+reading through the gaps moves the other ranks' bytes too and builds two iovecs per row, and a
+call per row costs Python and a system call for every row.
 
 ``file_window``: a chunk of the file as a tensor over a private mapping, so that ``iter_tensors`` can
 hand out tensors as views of the page cache, as safetensors' own ``safe_open`` does (vLLM's

@@ -1,11 +1,11 @@
 """Fault in fresh destination memory in one call before reading into it.
 
-A read into memory nobody has touched yet takes a page fault per 4 KiB page inside the read.
-On our VMs that costs more than the copy itself: 1 GB of fresh memory filled by faults took
-0.50-0.59 s, the same pages faulted in by one ``madvise(MADV_POPULATE_WRITE)`` 0.31-0.37 s
-(Linux >= 5.14). Only pages that lie wholly inside a range about to be overwritten are
-touched, so what ends up in memory is the same; memory that is already resident (a reused
-buffer) is left alone, since walking it again costs ~0.05 s per GB for nothing.
+A read into memory nobody has touched yet takes a page fault per 4 KiB page inside the read,
+which in a VM can cost more than the copy itself; one ``madvise(MADV_POPULATE_WRITE)`` call
+(Linux >= 5.14) faults the same pages in with far fewer traps. Only pages that lie wholly inside
+a range about to be overwritten are touched, so what ends up in memory is the same; memory that
+is already resident (a reused buffer) is left alone, since walking it again costs time for
+nothing.
 """
 
 from __future__ import annotations

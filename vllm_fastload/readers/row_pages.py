@@ -3,11 +3,11 @@
 A slice along a later dim takes a part of every row, and the ranks' parts share the pages at
 their boundaries (o_proj of a 2048-wide bf16 model at TP=2: every page is half one rank's, half
 the other's). The rank that asks for a shared page first pays its disk read, so on a cold cache
-one rank fetched up to 0.62x of the checkpoint while each needs 0.50x. Ownership splits them
+one rank could fetch most of the shared pages. Ownership splits them
 without the ranks talking: the shared pages of a 64 KiB block belong to the rank whose slice
 holds the block's chosen position in a row. The block's number picks that position (Fibonacci
 hashing: an evenly spread sequence), so each rank owns blocks in proportion to its slice, and
-advice stays a few long ranges (each call costs ~12 us of the loading thread). With more than
+advice stays a few long ranges (each call is a system call on the loading thread). With more than
 two ranks a shared page may not hold its owner's bytes; the ranks reading it ask for it right
 before their reads, as they do for pages shared with a neighbouring tensor.
 

@@ -4,9 +4,8 @@ to the device on that thread's own stream.
 Disk and PCIe overlap: while one slot's bytes travel to the device, other threads fill other
 slots. A thread waits for its own copy before its slot goes back to the ring, so staging memory
 is bounded by ``slots x slot size`` (a quarter of the memory budget). Each worker thread copies
-on a stream of its own: on one shared stream a thread also waits for every other thread's queued
-copies (an H200 host's first run, one shared stream and 8 MiB slots, moved a warm 5.6 GB
-checkpoint at 21 GB/s; this design at 29 GB/s).
+on a stream of its own: on one shared stream a thread would also wait for every other thread's
+queued copies.
 
 Slices along a later dim (``Rows``) land packed in the slot, so each batch of rows is one copy to
 the device rather than one per row.

@@ -280,9 +280,9 @@ class _Mapping:
         kernel cannot populate a mapping (before Linux 5.14).
 
         The touch (one byte read per page) is for hosts that back a VM's memory lazily: there the
-        first CPU access to a page the disk filled costs a fault in the hypervisor, which made a
-        later copy out of the page cache 3-12x slower (0.5-2 GB/s instead of 6 GB/s on this
-        project's VM); touched here, that cost is paid while vLLM starts instead of in the load."""
+        first CPU access to a page the disk filled costs a fault in the hypervisor, which makes a
+        later copy out of the page cache several times slower; touched here, that cost is paid
+        while vLLM starts instead of in the load."""
         try:
             self._map.madvise(MADV_POPULATE_READ, offset, length)
         except OSError as exc:

@@ -51,7 +51,7 @@ PRESETS: dict[str, ModelSpec] = {
     "bench-llama": ModelSpec(hidden=2048, intermediate=5632, layers=16, heads=32, kv_heads=4, vocab=32000),
     # Llama-3-8B's shapes with 10 layers: 6.46 GB, how the benchmark's ratios move with size.
     "bench-llama-6g": ModelSpec(**LLAMA3_8B, layers=10),
-    # 0.31 GB: the network-filesystem benchmark (sshfs over loopback reads ~0.1 GB/s).
+    # 0.31 GB: the network-filesystem benchmark (small, as sshfs over loopback is slow).
     "netfs-llama": ModelSpec(hidden=1024, intermediate=2816, layers=8, heads=16, kv_heads=4, vocab=32000),
 }
 
