@@ -12,6 +12,7 @@ source scripts/setup.sh
 scripts/setup-netsources.sh
 python -m ruff check vllm_fastload tgi_patch tests examples
 lint-imports  # the layers and forbidden imports in pyproject.toml
+python -m mypy  # the type check ([tool.mypy] in pyproject.toml says what it covers and leaves out)
 python -m pytest -rs --durations=20 "$@"
 if [ $# -gt 0 ]; then
   echo "tests chosen by arguments: the run against vLLM $OLDEST_VLLM is left out (scripts/test.sh without arguments runs it)"

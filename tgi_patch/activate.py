@@ -87,6 +87,6 @@ def _rebind(old: object, new: object) -> list[str]:
         if mod is None or not (name == PACKAGE or name.startswith(PACKAGE + ".")):
             continue
         if getattr(mod, "__dict__", {}).get("Weights") is old:
-            mod.Weights = new
+            setattr(mod, "Weights", new)  # noqa: B010 (any module of the package, typed or not)
             rebound.append(name)
     return rebound

@@ -22,7 +22,7 @@ from vllm_fastload.plan import TensorRequest, plan_tensor
 from vllm_fastload.tensors import torch_dtype, torch_shape
 
 
-def file_key(filename: str | os.PathLike) -> str:
+def file_key(filename: str | os.PathLike[str]) -> str:
     """One spelling per file, so a routing entry given as str or Path finds the same parsed file."""
     return os.path.abspath(os.fspath(filename))
 
@@ -51,17 +51,17 @@ class CheckpointFiles:
         self.bytes_read = 0
 
     @staticmethod
-    def parse(filename: str | os.PathLike) -> SafetensorsFile:
+    def parse(filename: str | os.PathLike[str]) -> SafetensorsFile:
         """Parse one file without adding it (the caller checks for duplicate names first)."""
         return read_safetensors_file(file_key(filename))
 
     def add(self, sf: SafetensorsFile) -> None:
         self.checkpoint.add_file(sf)
 
-    def file(self, filename: str | os.PathLike) -> SafetensorsFile:
+    def file(self, filename: str | os.PathLike[str]) -> SafetensorsFile:
         return self.checkpoint.file_for(file_key(filename))
 
-    def info(self, filename: str | os.PathLike, name: str) -> TensorInfo:
+    def info(self, filename: str | os.PathLike[str], name: str) -> TensorInfo:
         """The tensor ``name`` in ``filename`` itself (not merely some file holding that name)."""
         sf = self.file(filename)
         info = sf.tensors.get(name)
@@ -74,7 +74,7 @@ class CheckpointFiles:
                                      tensor=name)
         return info
 
-    def read(self, filename: str | os.PathLike, name: str, dim: int | None = None, start: int = 0,
+    def read(self, filename: str | os.PathLike[str], name: str, dim: int | None = None, start: int = 0,
              length: int | None = None) -> torch.Tensor:
         """The whole tensor, or ``[start, start + length)`` along ``dim``: only those bytes are read."""
         info = self.info(filename, name)
@@ -86,7 +86,7 @@ class CheckpointFiles:
         self._count(before)
         return tensor
 
-    def read_blocks(self, filename: str | os.PathLike, name: str, dim: int,
+    def read_blocks(self, filename: str | os.PathLike[str], name: str, dim: int,
                     ranges: Sequence[tuple[int, int]]) -> torch.Tensor:
         """Several ``[start, stop)`` ranges along ``dim`` (0 or 1), concatenated, read in one plan.
 

@@ -12,6 +12,13 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # (at run time this module imports only os and sys, see above)
+    from collections.abc import Sequence
+    from importlib.abc import Loader
+    from importlib.machinery import ModuleSpec
+    from types import ModuleType
 
 ENV = "FASTLOAD_TGI"
 TARGET_MODULE = "text_generation_server.utils.weights"
@@ -48,7 +55,7 @@ def uninstall() -> None:
     sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _WeightsFinder)]
 
 
-def _activate(module: object) -> None:
+def _activate(module: ModuleType) -> None:
     from tgi_patch.activate import apply
 
     apply(module)
@@ -57,7 +64,8 @@ def _activate(module: object) -> None:
 class _WeightsFinder:
     """Finds TGI's weights module through the other finders and wraps its loader."""
 
-    def find_spec(self, fullname: str, path: object = None, target: object = None) -> object:
+    def find_spec(self, fullname: str, path: Sequence[str] | None = None,
+                  target: ModuleType | None = None) -> ModuleSpec | None:
         if fullname != TARGET_MODULE:
             return None
         for finder in sys.meta_path:
@@ -69,20 +77,20 @@ class _WeightsFinder:
         else:
             return None
         if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            spec.loader = _PatchingLoader(spec.loader)
+            spec.loader = _PatchingLoader(spec.loader)  # type: ignore[assignment]  # a Loader by its methods
         return spec
 
 
 class _PatchingLoader:
     """Delegates to the real loader; after the module body has run, calls ``apply(module)``."""
 
-    def __init__(self, loader: object) -> None:
+    def __init__(self, loader: Loader) -> None:
         self._loader = loader
 
-    def create_module(self, spec: object) -> object:
+    def create_module(self, spec: ModuleSpec) -> ModuleType | None:
         return self._loader.create_module(spec)
 
-    def exec_module(self, module: object) -> None:
+    def exec_module(self, module: ModuleType) -> None:
         self._loader.exec_module(module)
         _activate(module)
 

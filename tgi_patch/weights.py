@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -37,7 +37,7 @@ class FastWeights:
     callbacks fire as described in ``tgi_patch.readiness``; the bar shows on rank 0 only.
     """
 
-    def __init__(self, filenames: Sequence[str | os.PathLike], device: Any, dtype: Any, process_group: Any,
+    def __init__(self, filenames: Sequence[str | os.PathLike[str]], device: Any, dtype: Any, process_group: Any,
                  weights_loader: Any, aliases: dict[str, list[str]] | None = None, prefix: str | None = None,
                  *, config: FastloadConfig | dict[str, Any] | None = None) -> None:
         self.config = FastloadConfig.from_env() if config is None else FastloadConfig.build(config)
@@ -139,7 +139,8 @@ class FastWeights:
         self._served(tensor_name)
         return self._cast_then_move(tensor, NO_CAST_PARTIAL, to_dtype, to_device)
 
-    def _cast_then_move(self, tensor: torch.Tensor, no_cast, to_dtype: bool, to_device: bool) -> torch.Tensor:
+    def _cast_then_move(self, tensor: torch.Tensor, no_cast: Collection[torch.dtype], to_dtype: bool,
+                        to_device: bool) -> torch.Tensor:
         """TGI's order for get_tensor / get_partial_sharded: cast first (unless exempt), then move."""
         if tensor.dtype not in no_cast and to_dtype:
             tensor = tensor.to(dtype=self.dtype)

@@ -22,6 +22,8 @@ from vllm_fastload.sources import fstype
 from vllm_fastload.tensors import CASTABLE, cast, torch_dtype, torch_shape
 
 RequestLike = str | TensorRequest
+#: Destinations by request: tensor names, ``TensorRequest`` slices, or both.
+Targets = Mapping[str, torch.Tensor] | Mapping[TensorRequest, torch.Tensor] | Mapping[RequestLike, torch.Tensor]
 
 
 class FastCheckpoint:
@@ -42,7 +44,7 @@ class FastCheckpoint:
     - ``read_into`` fills tensors the caller already owns.
     """
 
-    def __init__(self, path: str | os.PathLike | Sequence[str | os.PathLike] | Checkpoint,
+    def __init__(self, path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | Checkpoint,
                  device: str | torch.device = "cpu",
                  config: FastloadConfig | Mapping[str, Any] | None = None, *,
                  show_progress: bool | None = None) -> None:
@@ -115,6 +117,7 @@ class FastCheckpoint:
         told (objects, or ``mincore`` not answering truthfully)."""
         if self.checkpoint.is_remote:
             return None
+        spans: list[tuple[int | None, int, int, int]]
         if names is None:
             spans = [(f.fd, 0, os.fstat(f.fd).st_size, 64) for f in self.checkpoint.files.values()
                      if f.fd is not None]
@@ -207,7 +210,7 @@ class FastCheckpoint:
         for planned, tensor in self._execute(plan):
             yield planned.key, cast(tensor, dtype)
 
-    def read_into(self, targets: Mapping[RequestLike, torch.Tensor]) -> LoadStats:
+    def read_into(self, targets: Targets) -> LoadStats:
         """Read each request straight into the caller's tensor.
 
         Contiguous destinations on the reader's device with the checkpoint's dtype receive the
@@ -234,7 +237,7 @@ class FastCheckpoint:
         """
         return self._read_into(targets)
 
-    def _read_into(self, targets: Mapping[RequestLike, torch.Tensor], *, extra: Iterable[RequestLike] = (),
+    def _read_into(self, targets: Targets, *, extra: Iterable[RequestLike] = (),
                    on_tensor: Callable[[str, torch.Tensor], object] | None = None,
                    on_layer_end: Callable[[LayerGroup], object] | None = None,
                    check: Callable[[Plan], object] | None = None, quiet: bool = False) -> LoadStats:
@@ -265,9 +268,9 @@ class FastCheckpoint:
         for planned, tensor in self._execute(plan, quiet=quiet, on_layer_end=on_layer_end):
             if planned.dest is not None:
                 continue
-            dest = by_key.get(planned.key)
-            if dest is not None:
-                dest.copy_(tensor)
+            target = by_key.get(planned.key)
+            if target is not None:
+                target.copy_(tensor)
             elif on_tensor is not None:
                 on_tensor(planned.key, tensor)
         assert self.last_stats is not None  # set when the execution ends
@@ -341,7 +344,7 @@ def _weighted_cached_share(spans: Iterable[tuple[int | None, int, int, int]]) ->
     return found / weight if weight else None
 
 
-def open(path: str | os.PathLike, device: str | torch.device = "cpu",
+def open(path: str | os.PathLike[str], device: str | torch.device = "cpu",
          config: FastloadConfig | Mapping[str, Any] | None = None) -> FastCheckpoint:
     """Open a checkpoint: headers parsed and validated, nothing read yet.
 

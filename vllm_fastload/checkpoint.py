@@ -21,7 +21,7 @@ from vllm_fastload.sources.local import LocalSource
 from vllm_fastload.sources.uri import is_remote
 
 
-def read_safetensors_file(path: str | os.PathLike) -> SafetensorsFile:
+def read_safetensors_file(path: str | os.PathLike[str]) -> SafetensorsFile:
     """Open and validate one local file. The descriptor stays open (see SafetensorsFile)."""
     source = LocalSource(path)
     try:
@@ -59,7 +59,7 @@ class Checkpoint:
             raise
 
     @classmethod
-    def discover(cls, path: str | os.PathLike | Sequence[str | os.PathLike], *,
+    def discover(cls, path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,
                  remote: RemoteConfig | Mapping[str, Any] | None = None,
                  memory_budget: int | None = None) -> Checkpoint:
         """The checkpoint at a local path or an object store URI (``s3://bucket/prefix``, ...), or
@@ -101,7 +101,7 @@ class Checkpoint:
                                               memory_budget=memory_budget)
         layout = object_store.discover(store, root)
         ckpt = cls(object_store.read_safetensors_headers(store, layout.keys), source=root.uri)
-        if layout.weight_map is not None:
+        if layout.weight_map is not None and layout.index_key is not None:
             index = layout.index_key.rsplit("/", 1)[-1]
             ckpt._check_index(index, layout.weight_map, lambda f: store.uri_of(root.child(f).key))
         return ckpt

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from vllm_fastload.tools.checkpoints import PRESETS
 
@@ -12,7 +13,7 @@ def _plan(args: argparse.Namespace) -> int:
     import vllm_fastload
     from vllm_fastload.tp_rules import rank_requests
 
-    overrides = {"progress": False}
+    overrides: dict[str, Any] = {"progress": False}
     if args.strided_min_skip is not None:
         overrides["strided_min_skip"] = args.strided_min_skip
     with vllm_fastload.open(args.model, config=vllm_fastload.FastloadConfig.from_env(**overrides)) as ckpt:

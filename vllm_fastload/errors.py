@@ -16,7 +16,7 @@ class ConfigError(ValueError):
 class CheckpointError(Exception):
     """Base class: something about the checkpoint (or reading it) is wrong."""
 
-    def __init__(self, message: str, *, file: str | os.PathLike | None = None,
+    def __init__(self, message: str, *, file: str | os.PathLike[str] | None = None,
                  tensor: str | None = None) -> None:
         self.file = os.fspath(file) if file is not None else None
         self.tensor = tensor

@@ -23,6 +23,7 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -116,15 +117,16 @@ class Collectives:
     def __init__(self, group: object, rank: int, world: int) -> None:
         self.group, self.rank, self.world = group, rank, world
 
-    def all_gather_object(self, obj: object) -> list:
+    def all_gather_object(self, obj: object) -> list[Any]:
         """Every rank's ``obj``, in rank order."""
         import torch.distributed as dist
 
-        everyone: list = [None] * self.world
+        everyone: list[Any] = [None] * self.world
         dist.all_gather_object(everyone, obj, group=self.group)
         return everyone
 
-    def all_to_all(self, recv: torch.Tensor, send: torch.Tensor, recv_sizes: list[int], send_sizes: list[int]) -> None:
+    def all_to_all(self, recv: torch.Tensor, send: torch.Tensor, recv_sizes: list[int],
+                   send_sizes: list[int]) -> None:
         """``send[...]`` split by ``send_sizes`` to the ranks in order; ``recv`` split by ``recv_sizes`` from them."""
         import torch.distributed as dist
 
@@ -165,7 +167,7 @@ def agree(collectives: Collectives, targets: Mapping[TensorRequest, torch.Tensor
             continue  # fewer rows than ranks: some rank would read nothing; not worth a special case
         columns = tuple((c[name].start, c[name].length) for c in everyone)
         shared[name] = SharedTensor(name, shape, dim, columns, _split_rows(shape[0], world))
-    if not shared:
+    if not shared or targets is None:
         return None
     dests = {req.name: dest for req, dest in targets.items() if req.name in shared}
     return RowExchange(collectives, shared, dests, infos)

@@ -12,7 +12,7 @@ import json
 import math
 import posixpath
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vllm_fastload.errors import (
     HeaderError,
@@ -188,7 +188,7 @@ def _is_unicode(text: str) -> bool:
     return True
 
 
-def parse_header_bytes(path: str, raw: bytes, data_len: int) -> tuple[dict[str, tuple], dict[str, str]]:
+def parse_header_bytes(path: str, raw: bytes, data_len: int) -> tuple[dict[str, tuple[Any, ...]], dict[str, str]]:
     """Validate a header's JSON text; returns ``{name: (dtype, shape, begin, end)}`` and metadata."""
     try:
         text = raw.decode("utf-8")

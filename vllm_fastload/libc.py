@@ -12,9 +12,12 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+from typing import TypeVar
 
 #: What ``mmap`` returns on failure, as ``ctypes.c_void_p`` converts it.
 MAP_FAILED = ctypes.c_void_p(-1).value
+
+_Lib = TypeVar("_Lib", bound=ctypes.CDLL)
 
 
 @functools.cache
@@ -29,7 +32,7 @@ def keeping_gil() -> ctypes.PyDLL | None:
     return _declared(ctypes.PyDLL)
 
 
-def _declared(kind: type[ctypes.CDLL]) -> ctypes.CDLL | None:
+def _declared(kind: type[_Lib]) -> _Lib | None:
     try:
         lib = kind(ctypes.util.find_library("c") or None, use_errno=True)
         lib.mmap.restype = ctypes.c_void_p

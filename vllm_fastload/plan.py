@@ -23,7 +23,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, overload
 
 from vllm_fastload.checkpoint import Checkpoint
 from vllm_fastload.errors import InvalidRequestError, PlanError
@@ -115,7 +115,13 @@ class RowRanges(Sequence[tuple[int, int]]):
     def __len__(self) -> int:
         return self._rows.count
 
-    def __getitem__(self, index):  # type: ignore[override]
+    @overload
+    def __getitem__(self, index: int) -> tuple[int, int]: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[tuple[int, int]]: ...
+
+    def __getitem__(self, index: int | slice) -> tuple[int, int] | list[tuple[int, int]]:
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
         index = operator.index(index)
@@ -367,40 +373,48 @@ def _build_chunks(tensors: Sequence[PlannedTensor], aggregate_size: int) -> list
     calls from ``tensor.ranges``.
     """
     chunks: list[Chunk] = []
-    current: Chunk | None = None
     filled = 0
     for t in tensors:
-        direct = t.dest is not None
-        size = t.read_bytes
-        if current is not None and current.tensors and current.file == t.info.file and current.direct == direct:
-            end = filled + size if direct else _buffer_position(current, t) + size
-            full = end > aggregate_size
-        else:
-            full = True
-        if full:
-            current = Chunk(t.info.file, [], 0, [], direct)
+        current = chunks[-1] if chunks else None
+        if current is None or not _joins(current, t, filled, aggregate_size):
+            current = Chunk(t.info.file, [], 0, [], direct=t.dest is not None)
             chunks.append(current)
             filled = 0
-        filled += size
-        if direct:
+        filled += t.read_bytes
+        if current.direct:
             current.tensors.append((t, 0))
-            continue
-        pos = _buffer_position(current, t)
-        current.tensors.append((t, pos))
-        if not _one_range(t):  # a slice read row by row: one call for all its rows
-            current.ops.append(ReadOp(t.rows.offset, t.read_bytes, pos, rows=t.rows))
-            pos += t.read_bytes
         else:
-            for offset, length in t.ranges:
-                last = current.ops[-1] if current.ops else None
-                if (last is not None and last.rows is None and last.file_offset + last.length == offset
-                        and last.buf_offset + last.length == pos):
-                    last.length += length
-                else:
-                    current.ops.append(ReadOp(offset, length, pos))
-                pos += length
-        current.nbytes = max(current.nbytes, pos)
+            _place(current, t)
     return chunks
+
+
+def _joins(chunk: Chunk, t: PlannedTensor, filled: int, aggregate_size: int) -> bool:
+    """Whether ``t`` goes into ``chunk``: the same file, read the same way (direct or into a
+    buffer), and the chunk stays within ``aggregate_size`` (``filled``: its direct bytes so far)."""
+    direct = t.dest is not None
+    if not chunk.tensors or chunk.file != t.info.file or chunk.direct != direct:
+        return False
+    end = filled + t.read_bytes if direct else _buffer_position(chunk, t) + t.read_bytes
+    return end <= aggregate_size
+
+
+def _place(chunk: Chunk, t: PlannedTensor) -> None:
+    """Add a buffered tensor's reads to ``chunk``; reads contiguous in file and buffer merge."""
+    pos = _buffer_position(chunk, t)
+    chunk.tensors.append((t, pos))
+    if t.rows is not None and not t.rows.gaps:  # a slice read row by row: one call for all its rows
+        chunk.ops.append(ReadOp(t.rows.offset, t.read_bytes, pos, rows=t.rows))
+        pos += t.read_bytes
+    else:
+        for offset, length in t.ranges:
+            last = chunk.ops[-1] if chunk.ops else None
+            if (last is not None and last.rows is None and last.file_offset + last.length == offset
+                    and last.buf_offset + last.length == pos):
+                last.length += length
+            else:
+                chunk.ops.append(ReadOp(offset, length, pos))
+            pos += length
+    chunk.nbytes = max(chunk.nbytes, pos)
 
 
 def build_plan(checkpoint: Checkpoint, requests: Iterable[TensorRequest | str], *,

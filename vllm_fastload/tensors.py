@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from vllm_fastload.errors import InvalidRequestError, PlanError
@@ -59,15 +61,15 @@ def view_tensor(raw: torch.Tensor, t: PlannedTensor) -> torch.Tensor:
         raise PlanError(f"{raw.numel()} bytes were delivered for a read of {t.read_bytes}", file=t.info.file,
                         tensor=t.key)
     typed = raw.view(dtype)
-    if t.strategy == "enclosing":
-        shape = torch_shape(t)
+    if t.strategy == "enclosing" and t.view_strides is not None:
+        shape, strides = torch_shape(t), t.view_strides
         # as_strided checks only the storage's bounds: the view must end inside these bytes, or
         # it would show its neighbour's.
-        last = sum((n - 1) * s for n, s in zip(shape, t.view_strides)) if all(shape) else -1
+        last = sum((n - 1) * s for n, s in zip(shape, strides)) if all(n > 0 for n in shape) else -1
         if last >= typed.numel():
             raise PlanError(f"a view of the enclosing rows reaches element {last} of {typed.numel()} read",
                             file=t.info.file, tensor=t.key)
-        return typed.as_strided(shape, t.view_strides)
+        return typed.as_strided(shape, strides)
     return typed.view(torch_shape(t))
 
 
@@ -75,6 +77,12 @@ def cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     if dtype is None or tensor.dtype == dtype or tensor.dtype not in CASTABLE:
         return tensor
     return tensor.to(dtype)
+
+
+def host_bytes(tensor: torch.Tensor) -> memoryview:
+    """A host tensor's memory as a writable memoryview (no copy)."""
+    array: Any = tensor.numpy()  # numpy's stubs declare the buffer protocol only for Python >= 3.12
+    return memoryview(array)
 
 
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:

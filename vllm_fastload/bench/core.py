@@ -78,6 +78,7 @@ def main(args: argparse.Namespace) -> int:
         with vllm_fastload.open(model, config=config) as ck:
             for name, t in ck.iter_tensors():
                 dests[name].copy_(t)
+            assert ck.last_stats is not None  # set once the read ends
             return ck.last_stats.bytes_read
 
     huge = config.model_copy(update={"hugepages": not config.hugepages})
@@ -87,6 +88,7 @@ def main(args: argparse.Namespace) -> int:
         with vllm_fastload.open(model, config=huge) as ck:
             for name, t in ck.iter_tensors():
                 dests[name].copy_(t)
+            assert ck.last_stats is not None  # set once the read ends
             return ck.last_stats.bytes_read
 
     def fastload_into() -> int:

@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -73,7 +74,9 @@ def resident_fraction(paths: list[str]) -> float:
     ``posix_fadvise(DONTNEED)`` will drop, this says so instead of reporting warm numbers as cold.
     """
     resident = pages = 0
-    mincore = releasing_gil().mincore
+    libc = releasing_gil()
+    assert libc is not None  # (the benchmark runs on Linux)
+    mincore = libc.mincore
     for path in paths:
         size = os.path.getsize(path)
         if size == 0:
@@ -399,6 +402,7 @@ def prepare(model: str, device: torch.device) -> Setup:
     for r in tp_requests:
         shape = list(shape_of(infos[r.name]))
         if r.dim is not None:
+            assert r.length is not None  # rank_requests names every slice's length
             shape[r.dim] = r.length
         tp_dests[r.result_key] = torch.empty(shape, dtype=dtype_of(infos[r.name]), device=device)
     reference = {}
@@ -750,7 +754,8 @@ def _report(rows: dict[tuple[str, str, str], Row], limits: dict, s: Setup, confi
         for a in ANCHORS:
             ref = anchor(cache, a)
             vs[a] = row.median / ref.median if ref is not None else None
-        of_limit = row.gbps / limit[cache] if limit[cache] else None
+        cache_limit = limit[cache]
+        of_limit = row.gbps / cache_limit if cache_limit else None
         say(f"{cache:<5} {name:<16} {tp:<12} {row.bytes / GB:>8.2f} {row.median:>9.3f} "
              f"{min(row.seconds):>7.3f}-{max(row.seconds):<7.3f} {row.gbps:>7.2f} {_pct(of_limit):>8} "
              f"{_ratio(vs['safetensors']):>6} {_ratio(vs['fastsafetensors']):>6} {_ratio(vs['instanttensor']):>6} "
@@ -761,7 +766,7 @@ def _report(rows: dict[tuple[str, str, str], Row], limits: dict, s: Setup, confi
     say("(vs st/fst/it: median time / the anchor's TP=1 median time, same cache; below 1 is faster. dev: torch "
          "allocator peak beyond the destinations; drv: the driver's used-memory peak beyond the start)")
 
-    verdicts = []
+    verdicts: list[dict[str, Any]] = []
 
     def verdict(label: str, value: float | None, bound: float, *, at_least: bool = False, note: str = "") -> None:
         ok = None if value is None else (value >= bound if at_least else value <= bound)
@@ -770,17 +775,17 @@ def _report(rows: dict[tuple[str, str, str], Row], limits: dict, s: Setup, confi
     fastload_names = sorted({name for (_, name, _) in rows if name.startswith("fastload-")})
     for name in fastload_names:
         for cache in ("cold", "warm"):
-            row = rows.get((cache, name, TP1))
-            verdict(f"{name} TP=1 {cache}: >= 90% of the limit", row.gbps / limit[cache]
-                    if row and limit[cache] else None, 0.9, at_least=True)
+            tp1, cache_limit = rows.get((cache, name, TP1)), limit[cache]
+            verdict(f"{name} TP=1 {cache}: >= 90% of the limit", tp1.gbps / cache_limit
+                    if tp1 and cache_limit else None, 0.9, at_least=True)
             for a in ("fastsafetensors", "instanttensor"):
                 ref = anchor(cache, a)
                 verdict(f"{name} TP=1 {cache}: ahead of {a} (time ratio < 1)",
-                        row.median / ref.median if row and ref else None, 1.0,
+                        tp1.median / ref.median if tp1 and ref else None, 1.0,
                         note=skipped.get(a, "not measured in this run") if ref is None else "")
             tp2 = rows.get((cache, name, TP2))
             verdict(f"{name} TP=2 rank 1 {cache}: time <= 0.6x its TP=1 time",
-                    tp2.median / row.median if tp2 and row else None, 0.6)
+                    tp2.median / tp1.median if tp2 and tp1 else None, 0.6)
         verdict(f"{name} TP=2 rank 1: bytes read <= 0.55x checkpoint", tp2_fraction.get(name), 0.55)
         extra = [max(r.alloc_extra) for r in rows.values() if r.loader == name]
         verdict(f"{name}: device memory beyond destinations <= memory_budget ({budget / 2**20:.0f} MiB)",

@@ -159,6 +159,7 @@ class CountingProxy(LoopbackServer):
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            _upstream: http.client.HTTPConnection | None
 
             def log_message(self, *args: object) -> None:
                 pass

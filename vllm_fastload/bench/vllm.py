@@ -29,7 +29,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import vllm_fastload
 from vllm_fastload.bench.machine import MachineState, evict, release_memory
@@ -216,7 +218,7 @@ def main(args: argparse.Namespace) -> int:
 
 def _hub_id(model: str | None) -> bool:
     """Whether ``--model`` is a Hub id (``org/name``; a preset or a path is not)."""
-    return bool(model) and "/" in model and is_repo_id(model)
+    return model is not None and "/" in model and is_repo_id(model)
 
 
 def bench_checkpoint(model: str | None) -> str:
@@ -570,7 +572,7 @@ def page_rounded_share(model: str, tp: int) -> float:
     with vllm_fastload.open(model, config=vllm_fastload.FastloadConfig(progress=False)) as ckpt:
         shares = []
         for rank in range(tp):
-            pages = set()
+            pages: set[tuple[str, int]] = set()
             for t in ckpt.plan(rank_requests(ckpt.checkpoint, tp, rank)).tensors:
                 for offset, length in t.ranges:
                     pages.update((t.info.file, p) for p in range(offset // page, -(-(offset + length) // page)))
@@ -578,13 +580,14 @@ def page_rounded_share(model: str, tp: int) -> float:
     return max(shares)
 
 
-def check_targets(rows: list[dict], targets: dict[str, float], bounds: dict[str, float] | None = None) -> list[dict]:
+def check_targets(rows: list[dict], targets: dict[str, float],
+                  bounds: Mapping[str, float | None] | None = None) -> list[dict]:
     """One verdict per target and TP it applies to; a target whose rows were not measured is missed.
 
     ``bounds`` (disk GB/s measured in the run, page-rounded share per rank) add the physical
     floor to the detail, so a target below it reads as such rather than as a loader to tune."""
     verdicts = []
-    bounds = bounds or {}
+    known: dict[str, Any] = dict(bounds or {})
 
     def verdict(name: str, tp: str, value: float | None, limit: float, detail: str) -> None:
         ok = value is not None and value <= limit
@@ -596,11 +599,11 @@ def check_targets(rows: list[dict], targets: dict[str, float], bounds: dict[str,
             fl, base = _row(rows, tp, "cold", "fastload"), _row(rows, tp, "cold", "safetensors")
             value = fl["seconds_median"] / base["seconds_median"] if fl and base else None
             detail = "fastload / default, cold" if value is not None else "rows not measured"
-            if value is not None and bounds.get("disk_gbps"):
+            if fl and base and value is not None and known.get("disk_gbps"):
                 # Every byte of the checkpoint comes off the one disk once, whatever the ranks share.
-                floor = fl["checkpoint_bytes"] / 1e9 / bounds["disk_gbps"]
+                floor = fl["checkpoint_bytes"] / 1e9 / known["disk_gbps"]
                 detail += (f"; the disk alone needs {floor:.2f} s for the checkpoint at "
-                           f"{bounds['disk_gbps']:.2f} GB/s = {floor / base['seconds_median']:.2f}x default")
+                           f"{known['disk_gbps']:.2f} GB/s = {floor / base['seconds_median']:.2f}x default")
             verdict(name, tp, value, limit, detail)
         elif name in ("netfs-default", "netfs-prefetch"):
             other = "safetensors" if name == "netfs-default" else "safetensors-prefetch"
@@ -617,8 +620,8 @@ def check_targets(rows: list[dict], targets: dict[str, float], bounds: dict[str,
             fls = [r for r in rows if r["tp"] == "tp2" and r["loader"] == "fastload" and "error" not in r]
             value = max(r["disk_read_per_rank"] / r["checkpoint_bytes"] for r in fls) if fls else None
             detail = "disk bytes per rank / checkpoint" if fls else "rows not measured"
-            if fls and bounds.get("page_share_tp2"):
-                detail += f"; the rank's slices rounded out to whole pages: {bounds['page_share_tp2']:.3f}"
+            if fls and known.get("page_share_tp2"):
+                detail += f"; the rank's slices rounded out to whole pages: {known['page_share_tp2']:.3f}"
             verdict(name, "tp2", value, limit, detail)
         else:
             tps = ["tp1"] if name == "warm-floor" else sorted({r["tp"] for r in rows if r["loader"] == "fastload"})
@@ -639,7 +642,7 @@ def _s3_verdict(rows: list[dict], name: str, limit: float, verdict) -> None:
         verdict(name, tp, value, limit, "fastload / runai_streamer" if value is not None else "rows not measured")
     else:  # s3-limit-tp1
         gbps = fl.get("server_limit_gbps") if fl else None
-        value = fl["seconds_median"] / (fl["checkpoint_bytes"] / 1e9 / gbps) if gbps else None
+        value = fl["seconds_median"] / (fl["checkpoint_bytes"] / 1e9 / gbps) if fl and gbps else None
         verdict(name, tp, value, limit, f"server limit {gbps:.3f} GB/s" if value is not None else "rows not measured")
 
 

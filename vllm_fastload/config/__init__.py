@@ -32,7 +32,7 @@ from pydantic_settings import (
 
 from vllm_fastload import policy
 from vllm_fastload.config.remote import RemoteConfig
-from vllm_fastload.errors import ConfigError
+from vllm_fastload.errors import ConfigError as ConfigError  # re-exported: the config's own error
 from vllm_fastload.policy import BackendSetting, Mode
 
 ENV_PREFIX = "FASTLOAD_"
@@ -155,7 +155,7 @@ class FastloadConfig(BaseSettings):
 
     @field_validator("on_layer_ready")
     @classmethod
-    def _check_callbacks(cls, value: list) -> list:
+    def _check_callbacks(cls, value: list[Any]) -> list[Any]:
         for item in value:
             if isinstance(item, str) and (":" not in item or item.startswith(":") or item.endswith(":")):
                 raise ValueError(f"{item!r} is not of the form 'package.module:function'")
@@ -228,7 +228,7 @@ class FastloadConfig(BaseSettings):
 
     @classmethod
     def _validated(cls, values: Mapping[str, Any], environ: Mapping[str, str],
-                   variable_for: Callable[[tuple], str | None]) -> FastloadConfig:
+                   variable_for: Callable[[tuple[int | str, ...]], str | None]) -> FastloadConfig:
         # pydantic-settings takes keyword arguments that start with "_" as its own options
         # (``_cli_parse_args`` would parse sys.argv): from a dict they are unknown keys like any other.
         private = sorted(key for key in values if isinstance(key, str) and key.startswith("_"))
@@ -339,7 +339,7 @@ def _check_name(name: str, model: type[BaseModel]) -> None:
         rest = parts[depth + 1:]
         if not rest:
             return
-        if _is_model(annotation):
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             model, prefix = annotation, f"{prefix}{part.upper()}{ENV_NESTED}"
             continue
         if get_origin(annotation) is dict and len(rest) == 1 and rest[0]:
@@ -365,7 +365,8 @@ def _variable_for(loc: tuple[int | str, ...], overrides: Mapping[str, Any], name
     return None
 
 
-def _message(cls: type[BaseModel], exc: ValidationError, variable_for: Callable[[tuple], str | None]) -> str:
+def _message(cls: type[BaseModel], exc: ValidationError,
+             variable_for: Callable[[tuple[int | str, ...]], str | None]) -> str:
     """One line for every problem: field (and variable), pydantic's message; never the value itself."""
     problems = []
     for err in exc.errors():

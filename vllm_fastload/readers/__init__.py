@@ -27,7 +27,8 @@ def select_backend(config: FastloadConfig, device: torch.device, *, remote: bool
 def make_reader(config: FastloadConfig, device: torch.device | str, *, remote: bool = False) -> Reader:
     """The reader for ``device`` (``remote``: the checkpoint is in an object store)."""
     device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
+    index: int | None = device.index  # (None: the current device; torch's stubs say int)
+    if device.type == "cuda" and index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     backend = select_backend(config, device, remote=remote)
     reader: Reader

@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -14,7 +14,6 @@ from vllm_fastload.format import SafetensorsFile
 from vllm_fastload.plan import Rows
 from vllm_fastload.policy import DecisionLog
 from vllm_fastload.readers.threads import thread_pool
-from vllm_fastload.sources.local import IOV_MAX, pread_into, preadv_into  # noqa: F401 (the readers' loop)
 
 
 class ReadCall(NamedTuple):
@@ -40,7 +39,7 @@ Call = ReadCall | RowsCall
 class Pending:
     """Reads in flight; ``wait()`` returns when every byte has landed (or raises the first error)."""
 
-    def __init__(self, futures: Sequence[Future[object]], on_done: Callable[[], object] | None = None) -> None:
+    def __init__(self, futures: Sequence[Future[Any]], on_done: Callable[[], object] | None = None) -> None:
         self._futures = list(futures)
         self._on_done = on_done
 

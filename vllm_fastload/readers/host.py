@@ -19,7 +19,8 @@ import mmap
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -29,11 +30,13 @@ from vllm_fastload.format import SafetensorsFile
 from vllm_fastload.plan import Rows
 from vllm_fastload.policy import ChunkRead, MapChunk
 from vllm_fastload.readers import direct, mapped, pagecache, row_pages
-from vllm_fastload.readers.base import IOV_MAX, Call, Pending, Reader, RowsCall, pread_into, preadv_into
+from vllm_fastload.readers.base import Call, Pending, Reader, RowsCall
 from vllm_fastload.readers.memory import populate
 from vllm_fastload.readers.remote import submit_to_source
 from vllm_fastload.readers.threads import thread_pool
 from vllm_fastload.sizes import round_up
+from vllm_fastload.sources.local import IOV_MAX, pread_into, preadv_into
+from vllm_fastload.tensors import host_bytes
 
 HUGE_PAGE = 2 << 20
 #: What the page-cache probes and the advice take: read calls, or bare ``(offset, length, None)``
@@ -115,7 +118,9 @@ class HostReader(Reader):
                 self._no_readahead(sf.fd)
             for r in rows:
                 advise_rows(sf.fd, r, ahead=True)  # now, so the disk works ahead of the threads
-            dfd, align = facts.opened
+            opened = facts.opened
+            assert opened is not None  # DIRECT only for a file that opened with O_DIRECT
+            dfd, align = opened
             pool, task = self.threads(), functools.partial(_read_batch_direct, dfd, align, self.bounce_size)
         futures = [pool.submit(task, sf.fd, sf.path, batch) for batch in self.batches(calls, self.config.read_size)]
         return Pending(futures)
@@ -336,17 +341,19 @@ def _populate_batch(dests: list[torch.Tensor]) -> None:
     dests.clear()  # see _read_batch
 
 
-def _after(first, task, *args) -> None:
+def _after(first: Future[Any], task: Callable[..., None], *args: Any) -> None:
     """Runs ``task`` once the future ``first`` is done (its error, if any, is ``task``'s too)."""
     first.result()
     task(*args)
 
 
 def _read_batch(fd: int, path: str, batch: list[Call], cached: bool = False) -> None:
+    view: memoryview | None = None
+    dest: torch.Tensor | None = None
     try:
         for call in batch:
             dest = call.dest
-            view = memoryview(dest.numpy())
+            view = host_bytes(dest)
             populate(dest.data_ptr(), len(view))
             if isinstance(call, RowsCall):
                 read_rows(fd, path, call.rows, view, cached)
@@ -365,6 +372,7 @@ def _read_batch_direct(dfd: int, align: int, bounce_size: int, fd: int, path: st
     """Like ``_read_batch``, contiguous ranges through O_DIRECT (see ``direct``); slices along a
     later dim through the page cache with advice for exactly their pages. A file that turns
     out not to allow O_DIRECT is read buffered."""
+    call: Call | None = None
     try:
         bounce = direct.bounce_for_thread(bounce_size)
         for i, call in enumerate(batch):

@@ -15,8 +15,10 @@ mapping of the file; see ``mapped``).
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
 from concurrent.futures import Future
+from typing import Any
 
 import torch
 
@@ -27,7 +29,8 @@ from vllm_fastload.readers.base import Call, Pending, RowsCall
 from vllm_fastload.readers.staging import StagedReader
 
 
-def import_kvikio():
+def import_kvikio() -> Any:
+    """kvikio with its defaults module (untyped: an optional GPU dependency)."""
     import kvikio
     import kvikio.defaults
 
@@ -64,10 +67,9 @@ def gds_status() -> dict[str, object]:
         return {**status, "active": False, "why": "kvikio prefers its POSIX compat mode (cuFile unavailable or "
                 "KVIKIO_COMPAT_MODE=ON)"}
     try:
-        import kvikio.cufile_driver
-
-        status["cufile_gds_available"] = bool(kvikio.cufile_driver.get("is_gds_available"))
-        status["cufile_allow_compat"] = bool(kvikio.cufile_driver.get("allow_compat_mode"))
+        driver: Any = importlib.import_module("kvikio.cufile_driver")
+        status["cufile_gds_available"] = bool(driver.get("is_gds_available"))
+        status["cufile_allow_compat"] = bool(driver.get("allow_compat_mode"))
     except Exception as exc:
         return {**status, "active": False, "why": f"cuFile driver properties unreadable: {exc}"}
     if not status["cufile_gds_available"]:
@@ -100,9 +102,9 @@ class KvikioReader(StagedReader):
                 defaults.task_size_reset(int(config.read_size))
         except Exception:
             pass
-        self._files: dict[str, object] = {}
+        self._files: dict[str, Any] = {}
 
-    def _cufile(self, path: str):
+    def _cufile(self, path: str) -> Any:
         handle = self._files.get(path)
         if handle is None:
             handle = self._files[path] = self._kvikio.CuFile(path, "r")
@@ -115,7 +117,7 @@ class KvikioReader(StagedReader):
         plain = [call for call in calls if not isinstance(call, RowsCall)]
         handle = self._cufile(sf.path)
         staged = self.staging.start(self, sf, rows) if rows else []
-        futures: list[Future] = []
+        futures: list[Future[Any]] = []
         try:
             for offset, length, dest in plain:
                 futures.append(_IOFuture(handle.pread(dest, length, offset), sf.path, offset, length))
@@ -131,16 +133,16 @@ class KvikioReader(StagedReader):
         super().close()
 
 
-class _IOFuture(Future):
+class _IOFuture(Future[int]):
     """Adapts kvikio's IOFuture to ``result()`` and checks that every byte arrived."""
 
-    def __init__(self, inner, path: str, offset: int, length: int) -> None:
+    def __init__(self, inner: Any, path: str, offset: int, length: int) -> None:
         super().__init__()
         self._inner, self._path, self._offset, self._length = inner, path, offset, length
 
-    def result(self, timeout=None):
+    def result(self, timeout: float | None = None) -> int:
         try:
-            got = self._inner.get()
+            got = int(self._inner.get())
         except Exception as exc:
             raise ReadError(f"kvikio read of {self._length} bytes at offset {self._offset} failed: {exc}",
                             file=self._path) from exc

@@ -25,6 +25,7 @@ import functools
 import mmap
 import os
 import weakref
+from typing import Any
 
 import numpy as np
 import torch
@@ -73,7 +74,9 @@ def _local(path: str) -> bool:
 
 
 def _strided_copy(mapping: mmap.mmap, first: int, rows: Rows, view: memoryview) -> None:
-    source = packed = None
+    whole: np.ndarray[Any, Any] | None = None
+    source: np.ndarray[Any, Any] | None = None
+    packed: np.ndarray[Any, Any] | None = None
     try:
         whole = np.frombuffer(mapping, dtype=np.uint8, count=rows.span, offset=first)
         source = np.lib.stride_tricks.as_strided(whole, shape=(rows.count, rows.seg),

@@ -49,14 +49,14 @@ def populate(address: int, nbytes: int) -> bool:
     return _madvise_populate(libc, lo, hi - lo)
 
 
-def _resident(libc, page: int) -> bool:
+def _resident(libc: ctypes.CDLL, page: int) -> bool:
     vec = ctypes.c_ubyte(0)
     if libc.mincore(page, PAGE, ctypes.byref(vec)) != 0:
         return True  # cannot tell: treat as in use
     return bool(vec.value & 1)
 
 
-def _madvise_populate(libc, start: int, length: int) -> bool:
+def _madvise_populate(libc: ctypes.CDLL, start: int, length: int) -> bool:
     global _supported
     if libc.madvise(start, length, MADV_POPULATE_WRITE) == 0:
         return True

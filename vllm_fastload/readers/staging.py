@@ -23,8 +23,10 @@ import torch
 from vllm_fastload import policy
 from vllm_fastload.config import FastloadConfig
 from vllm_fastload.format import SafetensorsFile
-from vllm_fastload.readers.base import Call, Reader, RowsCall, pread_into
+from vllm_fastload.readers.base import Call, Reader, RowsCall
 from vllm_fastload.readers.host import advise_rows, cached_calls, read_rows
+from vllm_fastload.sources.local import pread_into
+from vllm_fastload.tensors import host_bytes
 
 
 class StagedReader(Reader):
@@ -69,7 +71,7 @@ class PinnedStaging:
         self.read_size = int(config.read_size)
         self.threads = config.threads
         self.device = device
-        self._free: queue.Queue = queue.Queue()
+        self._free: queue.Queue[tuple[torch.Tensor, memoryview]] = queue.Queue()
         self._made = 0
         self._lock = threading.Lock()
         self._local = threading.local()
@@ -85,7 +87,7 @@ class PinnedStaging:
         few large chunks are few tasks for many threads."""
         return policy.staging_read_ahead(threads=self.threads, slot_size=self.slot_size)
 
-    def start(self, reader: Reader, sf: SafetensorsFile, calls: Sequence[Call]) -> list[Future]:
+    def start(self, reader: Reader, sf: SafetensorsFile, calls: Sequence[Call]) -> list[Future[None]]:
         """Start reading ``calls`` through the slots on ``reader``'s threads (rows advised to the
         kernel now); a future per batch, done when its bytes are on the device."""
         rows = [call.rows for call in calls if isinstance(call, RowsCall)]
@@ -114,12 +116,12 @@ class PinnedStaging:
             with self._lock:
                 self._made -= 1  # or a later task would wait forever for a slot never made
             raise
-        return slot, memoryview(slot.numpy())
+        return slot, host_bytes(slot)
 
     def _use_own_stream(self) -> None:
         """Make a stream of this worker thread's own its current stream (once per thread)."""
         if getattr(self._local, "stream", None) is None:
-            stream = self._local.stream = torch.cuda.Stream(device=self.device)
+            stream = self._local.stream = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
             torch.cuda.set_stream(stream)
             with self._lock:
                 self._streams.append(stream)
@@ -158,7 +160,12 @@ def fill_slot(sf: SafetensorsFile, slot: memoryview, batch: Sequence[Call],
     rows through the gaps where the plan says so (see ``host.read_rows``). An object gets one
     submission to its source, rows as one range per row (neighbouring ranges share a GET).
     """
-    placed, ranges, used = [], [], 0
+    placed: list[tuple[int, int, torch.Tensor]] = []
+    ranges: list[tuple[int, memoryview]] = []
+    used = 0
+    call: Call | None = None
+    dest: torch.Tensor | None = None
+    view: memoryview | None = None
     try:
         for call in batch:
             if isinstance(call, RowsCall):
@@ -187,4 +194,5 @@ def fill_slot(sf: SafetensorsFile, slot: memoryview, batch: Sequence[Call],
         placed.clear()  # an error's traceback keeps this frame: it must not keep the destinations
         raise
     finally:
-        call = dest = view = ranges = None
+        ranges.clear()
+        call = dest = view = None

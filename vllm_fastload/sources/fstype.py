@@ -31,7 +31,7 @@ NETWORK = frozenset({
 })
 
 
-def filesystem_type(path: str | os.PathLike) -> str:
+def filesystem_type(path: str | os.PathLike[str]) -> str:
     """The type of the filesystem that holds ``path`` (e.g. ``ext4``, ``fuse.sshfs``, ``nfs4``);
     ``""`` where ``/proc/mounts`` cannot be read (not Linux)."""
     resolved = os.path.realpath(path)
@@ -56,7 +56,7 @@ def is_network(fstype: str) -> bool:
     return fstype in NETWORK or fstype.startswith("nfs")
 
 
-def tuned(config: FastloadConfig, path: str | os.PathLike) -> FastloadConfig:
+def tuned(config: FastloadConfig, path: str | os.PathLike[str]) -> FastloadConfig:
     """``config`` with the defaults for ``path``'s filesystem in the fields the user left unset."""
     network = is_network(filesystem_type(path))
     update = policy.filesystem_defaults(network=network, set_fields=config.model_fields_set)

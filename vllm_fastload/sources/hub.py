@@ -27,7 +27,8 @@ def is_repo_id(name: str) -> bool:
     return bool(_REPO_ID.match(name)) and ".." not in name and not os.path.exists(name)
 
 
-def cached_snapshot(repo_id: str, *, revision: str | None = None, cache_dir: str | os.PathLike | None = None) -> str:
+def cached_snapshot(repo_id: str, *, revision: str | None = None,
+                    cache_dir: str | os.PathLike[str] | None = None) -> str:
     """The snapshot directory of ``repo_id`` at ``revision`` (default: the default branch) in the
     Hugging Face cache at ``cache_dir`` (default: ``HF_HUB_CACHE``), without a network request.
 
@@ -39,7 +40,8 @@ def cached_snapshot(repo_id: str, *, revision: str | None = None, cache_dir: str
     except ImportError as exc:
         raise NotCachedError(f"huggingface_hub is not installed ({exc})") from None
     try:
-        return snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=PATTERNS,
+        cache = None if cache_dir is None else os.fspath(cache_dir)
+        return snapshot_download(repo_id, revision=revision, cache_dir=cache, allow_patterns=PATTERNS,
                                  local_files_only=True)
     except Exception as exc:  # huggingface_hub's errors differ between releases; each one means "not here"
         where = cache_dir or "the default cache (HF_HUB_CACHE)"

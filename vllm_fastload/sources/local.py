@@ -32,7 +32,7 @@ class FileIdentity:
 class LocalSource:
     """One local file, open for reading, pinned to the size and mtime it had when opened."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
         self._fd = open_for_read(self.path)
         try:

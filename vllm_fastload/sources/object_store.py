@@ -24,18 +24,21 @@ import asyncio
 import os
 import re
 import threading
-from collections.abc import Awaitable, Iterable, Sequence
+from collections.abc import Awaitable, Coroutine, Iterable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
 try:
     import obstore
     from obstore import exceptions as obstore_errors
+
+    if TYPE_CHECKING:
+        from obstore import GetOptions
     from obstore.store import from_url as _obstore_from_url
 except ImportError as _exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("reading s3://, gs://, az:// or http(s):// checkpoints needs obstore: "
@@ -87,7 +90,7 @@ class _Loop:
             return cls._loop
 
 
-def _spawn(coro: Awaitable[T]) -> Future[T]:
+def _spawn(coro: Coroutine[Any, Any, T]) -> Future[T]:
     """Run ``coro`` on the request loop; a ``concurrent.futures.Future`` for its result."""
     return asyncio.run_coroutine_threadsafe(coro, _Loop.get())
 
@@ -217,7 +220,7 @@ def _profile_provider(config: RemoteConfig, options: dict[str, Any]) -> Any:
     if not profile:
         return None
     try:
-        import boto3
+        import boto3  # type: ignore[import-untyped]  # (no type information; an optional credential chain)
         from obstore.auth.boto3 import Boto3CredentialProvider
     except ImportError as exc:
         raise AccessDeniedError(f"AWS profile {profile!r} is selected but reading profiles needs boto3 "
@@ -283,7 +286,7 @@ class Store:
     def uri_of(self, key: str) -> str:
         return f"{self.root.store_url}/{key}"
 
-    def run(self, coro: Awaitable[T], *, uri: str, rounds: int = 1) -> T:
+    def run(self, coro: Coroutine[Any, Any, T], *, uri: str, rounds: int = 1) -> T:
         """Run a request coroutine to completion from a caller's thread.
 
         Every request inside is already bounded by ``deadline_s``; this outer limit (``rounds``
@@ -325,7 +328,7 @@ class Store:
         """
         uri = self.uri_of(key)
         action = f"GET bytes {start}-{end - 1}"
-        options: dict[str, Any] = {"range": (start, end)}
+        options: GetOptions = {"range": (start, end)}
         if pinned is not None and pinned.etag is not None and self.if_match:
             options["if_match"] = pinned.etag
 
@@ -410,7 +413,7 @@ def _info(uri: str, key: str, meta: Any) -> ObjectInfo:
     return ObjectInfo(uri, key, int(meta["size"]), meta.get("e_tag"), meta.get("last_modified"))
 
 
-def open_store(uri: str | ObjectURI, config: RemoteConfig | dict | None = None, *,
+def open_store(uri: str | ObjectURI, config: RemoteConfig | dict[str, Any] | None = None, *,
                memory_budget: int | None = None) -> tuple[Store, ObjectURI]:
     """A client for the bucket/container/host of ``uri``, and ``uri`` parsed.
 
@@ -422,7 +425,7 @@ def open_store(uri: str | ObjectURI, config: RemoteConfig | dict | None = None, 
     return Store(parsed, config, in_flight), parsed
 
 
-def list_objects(uri: str, config: RemoteConfig | dict | None = None) -> list[ObjectInfo]:
+def list_objects(uri: str, config: RemoteConfig | dict[str, Any] | None = None) -> list[ObjectInfo]:
     """Objects directly below the prefix ``uri`` (one LIST; not recursive)."""
     store, parsed = open_store(uri, config)
     return store.run(store.list_dir(parsed.key + "/" if parsed.key else ""), uri=parsed.uri)
@@ -605,7 +608,7 @@ def read_safetensors_headers(store: Store, keys: Sequence[str]) -> list[Safetens
         for r in results:
             if isinstance(r, BaseException):
                 raise r
-        return list(results)
+        return [r for r in results if not isinstance(r, BaseException)]
 
     rounds = 3 * ceil_div(len(keys), store.in_flight)
     return store.run(all_headers(), uri=store.root.uri, rounds=max(rounds, 1))
@@ -659,7 +662,7 @@ async def _discover(store: Store, root: ObjectURI) -> RemoteLayout:
         for key in layout.keys:
             # Only direct children are listed; an object further down is checked when it is opened.
             if key not in listed and "/" not in key.removeprefix(root.child("").key):
-                example = next(t for t, f in layout.weight_map.items() if root.child(f).key == key)
+                example = next(t for t, f in (layout.weight_map or {}).items() if root.child(f).key == key)
                 raise MissingFileError(f"index {index} maps tensors to this object but it does not exist",
                                        file=store.uri_of(key), tensor=example)
         return layout

@@ -96,7 +96,7 @@ class EarlyReads(threading.Thread):
     """The reading process, seen from the process that started it: a daemon thread that logs what
     the process reports (through this process's logger) and ends when the process has ended."""
 
-    def __init__(self, process: subprocess.Popen, hold: LoadMarks | None) -> None:
+    def __init__(self, process: subprocess.Popen[bytes], hold: LoadMarks | None) -> None:
         super().__init__(name="fastload-early-reads", daemon=True)
         self.process = process
         self._hold = hold
@@ -161,7 +161,7 @@ def _serve(request: dict[str, Any]) -> None:
     why = "every load it was read for has ended"
 
     def orphaned() -> bool:
-        return os.getppid() != parent
+        return bool(os.getppid() != parent)
 
     try:
         stop = orphaned if hold is None else (lambda: orphaned() or hold.started())
@@ -174,7 +174,7 @@ def _serve(request: dict[str, Any]) -> None:
                     time.perf_counter() - start)
         _run_normally()  # only sleeps and lists a directory from now on: let it notice the marks on time
         deadline = time.monotonic() + request["hold_s"]
-        while held and not hold.all_done():
+        while hold is not None and held and not hold.all_done():
             if time.monotonic() >= deadline:
                 why = f"not every load it was read for ended within {request['hold_s']:.0f} s"
                 break
@@ -254,7 +254,7 @@ def _read_in(paths: list[str], *, hold: bool = False,
                     if mapping is not None and not mapping.populate(offset, length):
                         mapping.close()
                         mapping, buffer = None, bytearray(8 << 20)
-                    if mapping is None:
+                    if mapping is None and buffer is not None:  # (one of the two always is set here)
                         _read_through(f.fileno(), offset, length, buffer)
                     read += length
                 else:

@@ -12,6 +12,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -37,7 +38,7 @@ class ModelSpec:
 
 
 #: Llama-3-8B's shapes (its layer count is the caller's).
-LLAMA3_8B = dict(hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256)
+LLAMA3_8B: dict[str, Any] = dict(hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256)
 
 #: Named presets used by the README command, the tests and the benchmarks.
 PRESETS: dict[str, ModelSpec] = {

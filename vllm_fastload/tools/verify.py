@@ -215,6 +215,7 @@ class Verdict:
         if self.exact:
             return (f"{head}: exact on all {ranks} ranks ({self.names} parameters and buffers each, after loading "
                     f"and after post-processing); {how}; share of the checkpoint read per rank {shares}")
+        assert self.first_difference is not None  # set wherever a name differs
         rank, name = self.first_difference
         total = sum(self.differing)
         return (f"{head}: DIFFERENT: {name} differs on rank {rank} (first of {total} differing names over "

@@ -15,6 +15,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import BinaryIO
 
 from vllm_fastload.tools.processes import remove_logged_cpu_shm
 
@@ -62,7 +63,7 @@ class VllmServer:
         self.stop()
 
     def start(self) -> None:
-        self._log = self.log_path.open("wb")
+        self._log: BinaryIO | None = self.log_path.open("wb")
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
                                      start_new_session=True)
         deadline = time.monotonic() + self.startup_timeout
@@ -110,7 +111,8 @@ class VllmServer:
                 except ProcessLookupError:
                     pass
                 self.proc.wait(timeout=10)
-        if getattr(self, "_log", None) is not None:
-            self._log.close()
+        log = getattr(self, "_log", None)
+        if log is not None:
+            log.close()
             self._log = None
             remove_logged_cpu_shm(self.log_path)
