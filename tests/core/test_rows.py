@@ -121,7 +121,7 @@ def test_cached_rows_are_copied_out_of_a_mapping(wide, monkeypatch, cached: bool
         assert reads == [] and sum(r.count for r in copies) == ROWS
         assert all(r.offset % mmap.PAGESIZE for r in copies)  # the header puts rows off the page grid
     else:
-        per_call = base.IOV_MAX // 2   # rows per preadv: a segment and a gap each, the last gap left out
+        per_call = host.IOV_MAX // 2   # rows per preadv: a segment and a gap each, the last gap left out
         batched = [n for n in reads if n > 1]  # not O_DIRECT's one-time probe of the descriptor
         assert copies == [] and len(batched) == -(-ROWS // per_call) and max(batched) == 2 * per_call - 1
         assert len(reads) - len(batched) <= 1
@@ -195,7 +195,7 @@ def test_rows_are_read_where_the_file_is_not_mapped(wide, monkeypatch, refusal: 
         mapped._local.cache_clear()
     assert_bitexact(dest, w[:, 3:53])
     assert answers and not any(answers)
-    assert max(reads) == 2 * (base.IOV_MAX // 2) - 1  # through the gaps, 512 rows a call
+    assert max(reads) == 2 * (host.IOV_MAX // 2) - 1  # through the gaps, 512 rows a call
 
 
 @pytest.mark.parametrize("cached", [True, False], ids=["cached", "not-cached"])
