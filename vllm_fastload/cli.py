@@ -62,10 +62,7 @@ def _bench(args: argparse.Namespace) -> int:
     return main(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vllm-fastload", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _add_plan(sub: Any) -> None:
     p = sub.add_parser("plan", help="print what a rank would read: bytes per file and layer, amplification")
     p.add_argument("model", help="checkpoint directory or .safetensors file")
     p.add_argument("--tp", type=int, default=1)
@@ -74,12 +71,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bytes skipped per row from which on dim>0 slices are read row by row")
     p.set_defaults(func=_plan)
 
+
+def _add_demo(sub: Any) -> None:
     p = sub.add_parser("demo", help="make a small checkpoint (unless given), load it, serve it with vLLM")
     p.add_argument("--model", default=None)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--no-serve", action="store_true", help="only the engine-free load")
     p.set_defaults(func=_demo)
 
+
+def _add_verify(sub: Any) -> None:
     p = sub.add_parser("verify", help="load checkpoints with vLLM's default loader and with fastload on every rank "
                        "and compare every parameter and buffer; exit 1 on any difference")
     p.add_argument("model", nargs="+", help="checkpoint directories (or Hugging Face names vLLM can download)")
@@ -91,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verbose", action="store_true", help="print the traceback of a checkpoint that failed to load")
     p.set_defaults(func=_verify)
 
+
+def _add_make_checkpoint(sub: Any) -> None:
     p = sub.add_parser("make-checkpoint", help="write a random Hugging Face checkpoint")
     p.add_argument("directory")
     p.add_argument("--preset", default="tiny-llama", choices=sorted(PRESETS))
@@ -98,12 +101,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_make_checkpoint)
 
+
+def _add_bench_core(sub: Any) -> None:
     p = sub.add_parser("bench-core", help="engine-free reader vs safetensors, warm and cold cache")
     p.add_argument("--model", default=None, help="default: create the 1.67 GB bench-llama")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="bench-results")
     p.set_defaults(func=_bench_core)
 
+
+def _add_bench_gpu(sub: Any) -> None:
     p = sub.add_parser("bench-gpu", help="GPU backends vs safetensors, fastsafetensors, InstantTensor and the "
                        "disk/H2D limits, warm and cold, TP=1 and TP=2 rank 1; --smoke: reduced CPU-only form")
     p.add_argument("--smoke", action="store_true", help="tiny checkpoint, host backend, no GPU needed")
@@ -120,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="JSON directory (default $OUT, else bench-results)")
     p.set_defaults(func=_bench_gpu)
 
+
+def _add_bench(sub: Any) -> None:
     p = sub.add_parser("bench", help="vLLM load_weights with fastload vs vLLM's loaders, in subprocesses")
     p.add_argument("--model", default=None, help="a checkpoint directory, or bench-llama (1.67 GB, the default), "
                    "bench-llama-6g (6.46 GB, Llama-3-8B shapes with 10 layers) or bench-llama-SCHEME (the 1.67 GB "
@@ -153,6 +162,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--report", default=None, metavar="JSON",
                    help="run nothing: print the tables of a saved run (its bench-vllm*.json) and judge it on --targets")
     p.set_defaults(func=_bench)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vllm-fastload", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_plan(sub)
+    _add_demo(sub)
+    _add_verify(sub)
+    _add_make_checkpoint(sub)
+    _add_bench_core(sub)
+    _add_bench_gpu(sub)
+    _add_bench(sub)
     return parser
 
 

@@ -658,18 +658,22 @@ async def _discover(store: Store, root: ObjectURI) -> RemoteLayout:
         layout = await _from_index(store, root, index) if index != INDEX_NAME else usual
         if isinstance(layout, BaseException):
             raise layout
-        listed = {o.key for o in listing}
-        for key in layout.keys:
-            # Only direct children are listed; an object further down is checked when it is opened.
-            if key not in listed and "/" not in key.removeprefix(root.child("").key):
-                example = next(t for t, f in (layout.weight_map or {}).items() if root.child(f).key == key)
-                raise MissingFileError(f"index {index} maps tensors to this object but it does not exist",
-                                       file=store.uri_of(key), tensor=example)
+        _check_listed(store, root, index, layout, {o.key for o in listing})
         return layout
     shards = sorted(n for n in names if n.endswith(".safetensors"))
     if not shards:
         raise MissingFileError("no *.safetensors objects below this prefix", file=root.uri)
     return RemoteLayout(root, [root.child(n).key for n in shards])
+
+
+def _check_listed(store: Store, root: ObjectURI, index: str, layout: RemoteLayout, listed: set[str]) -> None:
+    """Every object the index names is in the listing (only direct children are listed; an
+    object further down is checked when it is opened)."""
+    for key in layout.keys:
+        if key not in listed and "/" not in key.removeprefix(root.child("").key):
+            example = next(t for t, f in (layout.weight_map or {}).items() if root.child(f).key == key)
+            raise MissingFileError(f"index {index} maps tensors to this object but it does not exist",
+                                   file=store.uri_of(key), tensor=example)
 
 
 async def _from_index(store: Store, root: ObjectURI, index: str) -> RemoteLayout:

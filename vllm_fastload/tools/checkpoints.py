@@ -185,6 +185,48 @@ _SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float
 _RANDOM_BLOCK = (16 << 20) + 4099
 
 
+#: A tensor of a random checkpoint: name, shape, bytes.
+_Shape = tuple[str, tuple[int, ...], int]
+
+
+def _shards(shapes: list[_Shape], total: int, files: int) -> list[list[_Shape]]:
+    """Shards of about equal size, in order, as Hugging Face writes them."""
+    shards: list[list[_Shape]] = [[]]
+    filled = 0
+    for item in shapes:
+        if shards[-1] and filled + item[2] > total / max(files, 1) * 1.0001 and len(shards) < files:
+            shards.append([])
+            filled = 0
+        shards[-1].append(item)
+        filled += item[2]
+    return shards
+
+
+def _write_random_file(path: Path, shard: list[_Shape], dtype: str, block: memoryview, rng: Any) -> None:
+    """One safetensors file of ``shard``'s tensors, each a rotation of ``block`` per piece, fsynced."""
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape, nbytes in shard:
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        left = offset
+        while left:
+            n = min(left, len(block))
+            k = int(rng.integers(len(block)))
+            first = min(n, len(block) - k)
+            f.write(block[k:k + first])
+            if n > first:
+                f.write(block[:n - first])
+            left -= n
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def write_random_checkpoint(directory: str | Path, spec: ModelSpec | str, *, files: int = 4, seed: int = 0) -> Path:
     """Write a checkpoint of random bytes at the speed of the disk, for benchmarks of many GB.
 
@@ -213,44 +255,15 @@ def write_random_checkpoint(directory: str | Path, spec: ModelSpec | str, *, fil
     itemsize = torch.finfo(spec.dtype).bits // 8
     shapes = [(name, shape, math.prod(shape) * itemsize) for name, shape in tensor_shapes(spec)]
     total = sum(n for _, _, n in shapes)
-    # Shards of about equal size, in order, as Hugging Face writes them.
-    shards: list[list[tuple[str, tuple[int, ...], int]]] = [[]]
-    filled = 0
-    for item in shapes:
-        if shards[-1] and filled + item[2] > total / max(files, 1) * 1.0001 and len(shards) < files:
-            shards.append([])
-            filled = 0
-        shards[-1].append(item)
-        filled += item[2]
+    shards = _shards(shapes, total, files)
     rng = np.random.default_rng(seed)
     block = memoryview(rng.bytes(_RANDOM_BLOCK))
     names = [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" if len(shards) > 1 else "model.safetensors"
              for k in range(len(shards))]
     weight_map: dict[str, str] = {}
     for file_name, shard in zip(names, shards):
-        header: dict[str, object] = {"__metadata__": {"format": "pt"}}
-        offset = 0
-        for name, shape, nbytes in shard:
-            header[name] = {"dtype": _SAFETENSORS_DTYPES[spec.dtype], "shape": list(shape),
-                            "data_offsets": [offset, offset + nbytes]}
-            offset += nbytes
-            weight_map[name] = file_name
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-(8 + len(raw)) % 8)
-        with open(out / file_name, "wb") as f:
-            f.write(len(raw).to_bytes(8, "little"))
-            f.write(raw)
-            left = offset
-            while left:
-                n = min(left, len(block))
-                k = int(rng.integers(len(block)))
-                first = min(n, len(block) - k)
-                f.write(block[k:k + first])
-                if n > first:
-                    f.write(block[:n - first])
-                left -= n
-            f.flush()
-            os.fsync(f.fileno())
+        _write_random_file(out / file_name, shard, _SAFETENSORS_DTYPES[spec.dtype], block, rng)
+        weight_map.update((name, file_name) for name, _, _ in shard)
     if len(shards) > 1:
         (out / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))

@@ -163,119 +163,130 @@ def _entry(name: str, path: Path) -> dict:
 
 
 def _handler(hub: StandInHub) -> type[BaseHTTPRequestHandler]:
-    api = re.compile(r"^/api/models/" + re.escape(hub.repo_id) + r"(?:/revision/([^/]+))?/?$")
-    tree = re.compile(r"^/api/models/" + re.escape(hub.repo_id) + r"/tree/([^/]+)(?:/(.*))?$")
-    paths_info = re.compile(r"^/api/models/" + re.escape(hub.repo_id) + r"/paths-info/([^/]+)$")
-    resolve = re.compile(r"^/" + re.escape(hub.repo_id) + r"/resolve/([^/]+)/(.+)$")
+    repo = re.escape(hub.repo_id)
+    return type("Handler", (_HubHandler,), {
+        "hub": hub,
+        "api": re.compile(r"^/api/models/" + repo + r"(?:/revision/([^/]+))?/?$"),
+        "tree": re.compile(r"^/api/models/" + repo + r"/tree/([^/]+)(?:/(.*))?$"),
+        "paths_info": re.compile(r"^/api/models/" + repo + r"/paths-info/([^/]+)$"),
+        "resolve": re.compile(r"^/" + repo + r"/resolve/([^/]+)/(.+)$"),
+    })
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
 
-        def log_message(self, *args: object) -> None:  # quiet: the hub records requests itself
-            pass
+class _HubHandler(BaseHTTPRequestHandler):
+    """The stand-in Hub's answers; ``_handler`` binds it to a hub and its URL patterns."""
 
-        def do_HEAD(self) -> None:
-            self._answer(head=True)
+    protocol_version = "HTTP/1.1"
+    hub: StandInHub
+    api: re.Pattern[str]
+    tree: re.Pattern[str]
+    paths_info: re.Pattern[str]
+    resolve: re.Pattern[str]
 
-        def do_GET(self) -> None:
-            self._answer(head=False)
+    def log_message(self, *args: object) -> None:  # quiet: the hub records requests itself
+        pass
 
-        def do_POST(self) -> None:
-            length = int(self.headers.get("Content-Length") or 0)
-            body = self.rfile.read(length) if length else b""
-            path = urlsplit(self.path).path
-            hub._record("POST", path)
-            match = paths_info.match(path)
-            revision = hub._revision(match.group(1)) if match else None
+    def do_HEAD(self) -> None:
+        self._answer(head=True)
+
+    def do_GET(self) -> None:
+        self._answer(head=False)
+
+    def do_POST(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length else b""
+        path = urlsplit(self.path).path
+        self.hub._record("POST", path)
+        match = self.paths_info.match(path)
+        revision = self.hub._revision(match.group(1)) if match else None
+        if revision is None:
+            return self._error(404, "RevisionNotFound" if match else "RepoNotFound")
+        if "json" in (self.headers.get("Content-Type") or ""):
+            wanted = json.loads(body or b"{}").get("paths", [])
+        else:
+            wanted = parse_qs(body.decode()).get("paths", [])
+        entries = [_entry(p, revision.files[p]) for p in wanted if p in revision.files]
+        self._json(entries)
+
+    def _answer(self, *, head: bool) -> None:
+        parts = urlsplit(self.path)
+        path = unquote(parts.path)
+        self.hub._record("HEAD" if head else "GET", path)
+        if match := self.api.match(path):
+            revision = self.hub._revision(match.group(1) or "main")
             if revision is None:
-                return self._error(404, "RevisionNotFound" if match else "RepoNotFound")
-            if "json" in (self.headers.get("Content-Type") or ""):
-                wanted = json.loads(body or b"{}").get("paths", [])
-            else:
-                wanted = parse_qs(body.decode()).get("paths", [])
-            entries = [_entry(p, revision.files[p]) for p in wanted if p in revision.files]
-            self._json(entries)
+                return self._error(404, "RevisionNotFound")
+            siblings = [{"rfilename": name, "size": p.stat().st_size} for name, p in sorted(revision.files.items())]
+            return self._json({"id": self.hub.repo_id, "modelId": self.hub.repo_id, "sha": revision.commit,
+                               "private": False, "disabled": False, "gated": False, "tags": [],
+                               "siblings": siblings}, head=head)
+        if match := self.tree.match(path):
+            revision = self.hub._revision(match.group(1))
+            if revision is None:
+                return self._error(404, "RevisionNotFound")
+            prefix = (match.group(2) or "").strip("/")
+            names = sorted(n for n in revision.files if not prefix or n.startswith(prefix + "/"))
+            return self._json([_entry(n, revision.files[n]) for n in names], head=head)
+        if match := self.resolve.match(path):
+            revision = self.hub._revision(match.group(1))
+            name = match.group(2)
+            if revision is None:
+                return self._error(404, "RevisionNotFound")
+            if name not in revision.files:
+                return self._error(404, "EntryNotFound", commit=revision.commit)
+            return self._file(revision, name, head=head)
+        return self._error(404, "RepoNotFound")
 
-        def _answer(self, *, head: bool) -> None:
-            parts = urlsplit(self.path)
-            path = unquote(parts.path)
-            hub._record("HEAD" if head else "GET", path)
-            if match := api.match(path):
-                revision = hub._revision(match.group(1) or "main")
-                if revision is None:
-                    return self._error(404, "RevisionNotFound")
-                siblings = [{"rfilename": name, "size": p.stat().st_size} for name, p in sorted(revision.files.items())]
-                return self._json({"id": hub.repo_id, "modelId": hub.repo_id, "sha": revision.commit,
-                                   "private": False, "disabled": False, "gated": False, "tags": [],
-                                   "siblings": siblings}, head=head)
-            if match := tree.match(path):
-                revision = hub._revision(match.group(1))
-                if revision is None:
-                    return self._error(404, "RevisionNotFound")
-                prefix = (match.group(2) or "").strip("/")
-                names = sorted(n for n in revision.files if not prefix or n.startswith(prefix + "/"))
-                return self._json([_entry(n, revision.files[n]) for n in names], head=head)
-            if match := resolve.match(path):
-                revision = hub._revision(match.group(1))
-                name = match.group(2)
-                if revision is None:
-                    return self._error(404, "RevisionNotFound")
-                if name not in revision.files:
-                    return self._error(404, "EntryNotFound", commit=revision.commit)
-                return self._file(revision, name, head=head)
-            return self._error(404, "RepoNotFound")
+    def _file(self, revision: Revision, name: str, *, head: bool) -> None:
+        source = revision.files[name]
+        size = source.stat().st_size
+        start, end = 0, size - 1
+        ranged = re.match(r"bytes=(\d+)-(\d*)$", self.headers.get("Range") or "")
+        if ranged:
+            start, end = int(ranged.group(1)), min(int(ranged.group(2) or size - 1), size - 1)
+        self.send_response(206 if ranged else 200)
+        tag = f'"{etag(source)}"'
+        self.send_header("ETag", tag)
+        self.send_header("X-Linked-Etag", tag)
+        self.send_header("X-Linked-Size", str(size))
+        self.send_header("X-Repo-Commit", revision.commit)
+        self.send_header("Accept-Ranges", "bytes")
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Content-Length", str(end - start + 1 if size else 0))
+        if ranged:
+            self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
+        self.end_headers()
+        if head or not size:
+            return
+        with open(source, "rb") as f:
+            f.seek(start)
+            left = end - start + 1
+            while left:
+                block = f.read(min(left, 1 << 22))
+                if not block:
+                    break
+                self.wfile.write(block)
+                left -= len(block)
 
-        def _file(self, revision: Revision, name: str, *, head: bool) -> None:
-            source = revision.files[name]
-            size = source.stat().st_size
-            start, end = 0, size - 1
-            ranged = re.match(r"bytes=(\d+)-(\d*)$", self.headers.get("Range") or "")
-            if ranged:
-                start, end = int(ranged.group(1)), min(int(ranged.group(2) or size - 1), size - 1)
-            self.send_response(206 if ranged else 200)
-            tag = f'"{etag(source)}"'
-            self.send_header("ETag", tag)
-            self.send_header("X-Linked-Etag", tag)
-            self.send_header("X-Linked-Size", str(size))
-            self.send_header("X-Repo-Commit", revision.commit)
-            self.send_header("Accept-Ranges", "bytes")
-            self.send_header("Content-Type", "application/octet-stream")
-            self.send_header("Content-Length", str(end - start + 1 if size else 0))
-            if ranged:
-                self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
-            self.end_headers()
-            if head or not size:
-                return
-            with open(source, "rb") as f:
-                f.seek(start)
-                left = end - start + 1
-                while left:
-                    block = f.read(min(left, 1 << 22))
-                    if not block:
-                        break
-                    self.wfile.write(block)
-                    left -= len(block)
+    def _json(self, doc: object, *, head: bool = False) -> None:
+        body = json.dumps(doc).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if not head:
+            self.wfile.write(body)
 
-        def _json(self, doc: object, *, head: bool = False) -> None:
-            body = json.dumps(doc).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            if not head:
-                self.wfile.write(body)
+    def _error(self, status: int, code: str, *, commit: str | None = None) -> None:
+        body = json.dumps({"error": code}).encode()
+        self.send_response(status)
+        self.send_header("X-Error-Code", code)
+        self.send_header("X-Error-Message", code)
+        if commit is not None:
+            self.send_header("X-Repo-Commit", commit)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
 
-        def _error(self, status: int, code: str, *, commit: str | None = None) -> None:
-            body = json.dumps({"error": code}).encode()
-            self.send_response(status)
-            self.send_header("X-Error-Code", code)
-            self.send_header("X-Error-Message", code)
-            if commit is not None:
-                self.send_header("X-Repo-Commit", commit)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(body)
-
-    return Handler
