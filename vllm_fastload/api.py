@@ -61,6 +61,7 @@ class FastCheckpoint:
         for callback in self.config.on_layer_ready:
             resolve_callback(callback)  # a typo in "module:function" fails here, not mid-load
         self._closed = False
+        self._decisions = policy.DecisionLog()
         self._reader: Reader | None = None
         self._pool: BufferPool | None = None
         self.last_stats: LoadStats | None = None
@@ -136,11 +137,13 @@ class FastCheckpoint:
     def strided_min_skip(self) -> int:
         """The ``strided_min_skip`` plans use: configured, else by the source kind
         (``policy.strided_min_skip``)."""
-        configured = self.config.strided_min_skip
+        configured = None if self.config.strided_min_skip is None else int(self.config.strided_min_skip)
         remote = self.checkpoint.is_remote
-        return policy.strided_min_skip(configured=None if configured is None else int(configured), remote=remote,
-                                       coalesce_gap=int(self.config.remote.coalesce_gap),
-                                       reader_default=0 if remote else self.reader.default_strided_min_skip)
+        value = policy.strided_min_skip(configured=configured, remote=remote,
+                                        coalesce_gap=int(self.config.remote.coalesce_gap),
+                                        reader_default=0 if remote else self.reader.default_strided_min_skip)
+        self._decisions.note("strided_min_skip", value, configured=configured, remote=remote)
+        return value
 
     def plan(self, requests: Iterable[RequestLike] | None = None, *,
              dests: Mapping[str, torch.Tensor] | None = None) -> Plan:
