@@ -19,6 +19,7 @@ import logging
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -54,10 +55,19 @@ class LoadStats:
 class Delivery:
     """One chunk on its way to the caller (see the module docstring for the kinds)."""
 
+    #: Handing this chunk over passes the previous chunk's buffer back to the pool (see ``run``).
+    recycles: ClassVar[bool] = True
+    #: The delivered tensors are views of the file itself: checked for changes again afterwards.
+    views_file: ClassVar[bool] = False
+
     def __init__(self, chunk: Chunk) -> None:
         self.chunk = chunk
         #: Reads in flight; None once waited for (or where there are none).
         self.pending: Pending | None = None
+
+    def start(self, reader: Reader, sf: SafetensorsFile, stats: LoadStats) -> None:
+        """Start the chunk's reads, if it has any, and count them in ``stats``."""
+        raise NotImplementedError
 
     def wait(self) -> None:
         """Wait for the chunk's reads; an I/O error from the reader (which knows only offsets)
@@ -78,11 +88,6 @@ class Delivery:
         """Yield ``(planned tensor, tensor)`` for each of the chunk's tensors, in plan order."""
         raise NotImplementedError
 
-    @property
-    def recycles(self) -> bool:
-        """Whether handing this chunk over passes the previous chunk's buffer back (see ``run``)."""
-        return True
-
     def held(self) -> Buffer | None:
         """The pool buffer to hand back once the caller has moved past this chunk; taken once."""
         return None
@@ -101,11 +106,14 @@ class Delivery:
 class DirectDelivery(Delivery):
     """Reads straight into the caller's tensors (``PlannedTensor.dest``): no buffer."""
 
+    recycles = False
+
     def __init__(self, chunk: Chunk, calls: list[Call]) -> None:
         super().__init__(chunk)
         self.calls = calls
 
     def start(self, reader: Reader, sf: SafetensorsFile, stats: LoadStats) -> None:
+        _after_consumer_work(self.chunk, None)
         stats.bytes_read += _direct_bytes(self.chunk)
         stats.chunks += 1
         self.pending = reader.submit(sf, self.calls)
@@ -114,10 +122,6 @@ class DirectDelivery(Delivery):
         for t, _ in self.chunk.tensors:
             assert isinstance(t.dest, torch.Tensor)
             yield t, t.dest
-
-    @property
-    def recycles(self) -> bool:
-        return False
 
 
 class BufferedDelivery(Delivery):
@@ -129,6 +133,7 @@ class BufferedDelivery(Delivery):
 
     def start(self, reader: Reader, sf: SafetensorsFile, stats: LoadStats) -> None:
         assert self.buffer is not None
+        _after_consumer_work(self.chunk, self.buffer)
         into = self.buffer.tensor
         calls: list[Call] = [RowsCall(op.rows, into[op.buf_offset:op.buf_offset + op.length]) if op.rows is not None
                              else ReadCall(op.file_offset, op.length, into[op.buf_offset:op.buf_offset + op.length])
@@ -150,10 +155,14 @@ class BufferedDelivery(Delivery):
 class MappedDelivery(Delivery):
     """No reads: the caller gets views of a private mapping of the file (``Reader.mapped``)."""
 
-    def __init__(self, chunk: Chunk, window: torch.Tensor, first: int, stats: LoadStats) -> None:
+    views_file = True
+
+    def __init__(self, chunk: Chunk, window: torch.Tensor, first: int) -> None:
         super().__init__(chunk)
         self.window, self.first = window, first
-        stats.bytes_read += sum(t.read_bytes for t, _ in chunk.tensors)
+
+    def start(self, reader: Reader, sf: SafetensorsFile, stats: LoadStats) -> None:
+        stats.bytes_read += sum(t.read_bytes for t, _ in self.chunk.tensors)
         stats.chunks += 1
 
     def deliver(self) -> Iterator[Delivered]:
@@ -273,25 +282,28 @@ class ReadAhead:
             self.next_index += 1
 
     def _start(self, chunk: Chunk) -> Delivery | None:
+        """The chunk's delivery, its reads started; None: no buffer free until one comes back."""
         ex = self.executor
         sf = ex.checkpoint.files[chunk.file]
+        delivery = self._delivery(chunk, sf)
+        if delivery is None:
+            return None
+        delivery.start(ex.reader, sf, ex.stats)
+        return delivery
+
+    def _delivery(self, chunk: Chunk, sf: SafetensorsFile) -> Delivery | None:
+        ex = self.executor
         if chunk.direct:
-            direct = DirectDelivery(chunk, self.prepared.pop(self.next_index))
-            _after_consumer_work(chunk, None)
-            direct.start(ex.reader, sf, ex.stats)
-            return direct
+            return DirectDelivery(chunk, self.prepared.pop(self.next_index))
         window = _mapped(ex.reader, sf, chunk)
         if window is not None:
-            return MappedDelivery(chunk, *window, ex.stats)
+            return MappedDelivery(chunk, *window)
         buf = ex.pool.try_acquire(chunk.nbytes)
         if buf is None:
             if self.in_flight:
                 return None
             buf = ex._oversize(chunk)
-        _after_consumer_work(chunk, buf)
-        buffered = BufferedDelivery(chunk, buf)
-        buffered.start(ex.reader, sf, ex.stats)
-        return buffered
+        return BufferedDelivery(chunk, buf)
 
 
 class PlanExecutor:
@@ -328,7 +340,7 @@ class PlanExecutor:
                     for delivered in current.deliver():
                         self.stats.tensors += 1
                         yield delivered
-                    if isinstance(current, MappedDelivery):
+                    if current.views_file:
                         # Views show the file while the caller copies them: a change made
                         # meanwhile is caught here, before the next chunk.
                         self._check_unchanged(current.chunk)
