@@ -74,22 +74,21 @@ def main(args: argparse.Namespace) -> int:
                     dests[name].copy_(f.get_tensor(name))
         return total
 
-    def fastload_iter() -> int:
-        with vllm_fastload.open(model, config=config) as ck:
+    def iterate(cfg: vllm_fastload.FastloadConfig) -> int:
+        with vllm_fastload.open(model, config=cfg) as ck:
             for name, t in ck.iter_tensors():
                 dests[name].copy_(t)
             assert ck.last_stats is not None  # set once the read ends
             return ck.last_stats.bytes_read
+
+    def fastload_iter() -> int:
+        return iterate(config)
 
     huge = config.model_copy(update={"hugepages": not config.hugepages})
 
     def fastload_iter_other_pages() -> int:
         """The same with the other ``hugepages`` setting: its buffers are the only memory that setting touches."""
-        with vllm_fastload.open(model, config=huge) as ck:
-            for name, t in ck.iter_tensors():
-                dests[name].copy_(t)
-            assert ck.last_stats is not None  # set once the read ends
-            return ck.last_stats.bytes_read
+        return iterate(huge)
 
     def fastload_into() -> int:
         with vllm_fastload.open(model, config=config) as ck:
