@@ -77,6 +77,8 @@ class HostReader(Reader):
         super().__init__(config, device)
         self._copy_pool: ThreadPoolExecutor | None = None
         self.bounce_size = _bounce_size(config)
+        self.decisions.note("O_DIRECT buffer per thread", self.bounce_size, direct_io=config.direct_io,
+                            memory_budget=int(config.memory_budget), threads=config.threads)
         #: (buffered descriptor, inode) -> (O_DIRECT descriptor, alignment), or None where O_DIRECT
         #: fails. The inode is in the key so that a descriptor number reused for another file
         #: never finds the old file's O_DIRECT descriptor.
@@ -182,7 +184,10 @@ class HostReader(Reader):
     @functools.cached_property
     def _copier_count(self) -> int:
         """Threads that copy out of the page cache (``policy.copier_count``)."""
-        return policy.copier_count(self.config.threads, reader_cpu_count(self.config))
+        cpus = reader_cpu_count(self.config)
+        count = policy.copier_count(self.config.threads, cpus)
+        self.decisions.note("copier threads", count, threads=self.config.threads, cpus=cpus)
+        return count
 
     def _copiers(self) -> ThreadPoolExecutor:
         if self._copy_pool is None:

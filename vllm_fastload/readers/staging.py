@@ -40,6 +40,9 @@ class StagedReader(Reader):
         if device.type != "cuda":
             raise ValueError(f"the {self.name} backend needs a CUDA device, got {device}")
         self.staging = PinnedStaging(config, device)
+        self.decisions.note("pinned staging", f"{self.staging.slots} slots of {self.staging.slot_size} bytes",
+                            memory_budget=int(config.memory_budget), read_size=int(config.read_size),
+                            threads=config.threads)
 
     @property
     def staging_bytes(self) -> int:
