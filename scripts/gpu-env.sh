@@ -22,7 +22,7 @@ gpu_machine() {
 # make 'cold' and 'disk' mean memory.
 pick_local_dir() {
   local name=$1 want=${2:-}
-  if [ -n "$want" ]; then echo "$want"; return; fi
+  if [ -n "$want" ]; then mkdir -p "$want" 2>/dev/null; echo "$want"; return; fi
   local d
   for d in ".fastload/$name" "/var/tmp/fastload-$name" "/tmp/fastload-$name"; do
     mkdir -p "$d" 2>/dev/null || continue
