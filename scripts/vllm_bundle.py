@@ -142,6 +142,7 @@ def build(args: argparse.Namespace) -> int:
     print(f"compressed {sum(f.stat().st_size for f in site.rglob('*') if f.is_file()) / 2**20:.0f} MiB into "
           f"{archive.stat().st_size / 2**20:.1f} MiB in {time.time() - start:.0f} s")
     _split(archive, wheels, project, left_out)
+    shutil.rmtree(stage)  # the unpacked files (350 MB); downloads/ stays, for the next build
     for p in problems:
         print("PROBLEM:", p)
     return 1 if problems else 0
