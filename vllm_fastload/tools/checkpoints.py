@@ -184,7 +184,24 @@ _SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float
 _RANDOM_BLOCK = (16 << 20) + 4099
 
 
-def write_random_checkpoint(directory: str | Path, spec: ModelSpec | str, *, files: int = 4, seed: int = 0) -> Path:
+def _finite_block(rng, dtype: torch.dtype) -> bytes:
+    """``_RANDOM_BLOCK`` bytes (rounded down to whole elements) of finite values of ``dtype``
+    with magnitudes 2^-10 to 2^-4: random sign and mantissa, an exponent drawn from six."""
+    import numpy as np
+
+    bits = {torch.bfloat16: (16, 8, 7), torch.float16: (16, 5, 10), torch.float32: (32, 8, 23)}
+    width, exponent_bits, mantissa_bits = bits[dtype]
+    bias = (1 << (exponent_bits - 1)) - 1
+    n = _RANDOM_BLOCK // (width // 8)
+    kind = np.uint16 if width == 16 else np.uint32
+    sign = rng.integers(0, 2, n, dtype=kind) << (width - 1)
+    exponent = (rng.integers(bias - 10, bias - 4, n, dtype=kind)) << mantissa_bits
+    mantissa = rng.integers(0, 1 << mantissa_bits, n, dtype=kind)
+    return (sign | exponent | mantissa).astype(kind).tobytes()
+
+
+def write_random_checkpoint(directory: str | Path, spec: ModelSpec | str, *, files: int = 4, seed: int = 0,
+                            max_shard_bytes: int | None = None, finite: bool = False) -> Path:
     """Write a checkpoint of random bytes at the speed of the disk, for benchmarks of many GB.
 
     ``write_checkpoint`` draws normal values per tensor, which takes minutes for 8 GB on a few
@@ -192,6 +209,11 @@ def write_random_checkpoint(directory: str | Path, spec: ModelSpec | str, *, fil
     rotations (by a seeded random offset per 16 MiB piece) of one random block, written
     without copying, so the files are incompressible and no two pieces look alike, while
     writing costs nothing beyond the I/O. Floats may be NaN: compare such tensors bitwise.
+    ``finite``: every value is a finite float of magnitude 2^-10 to 2^-4 (random sign, exponent
+    and mantissa, rotated by whole elements), so that a model built from it computes finite
+    logits and greedy decoding depends on every weight. ``max_shard_bytes``: shards cut as
+    ``save_pretrained`` cuts them (a new file when the next tensor would take the current one
+    past the limit; the Hub's checkpoints use 5 GB) instead of into ``files`` equal parts.
     The safetensors files are laid out by our own writer (header padded to 8 bytes, tensors in
     Hugging Face order), then fsynced so that their pages are clean and can be evicted.
     Idempotent like ``write_checkpoint``.
@@ -203,6 +225,10 @@ def write_random_checkpoint(directory: str | Path, spec: ModelSpec | str, *, fil
     stamp = out / ".fastload-checkpoint.json"
     recipe = {"kind": "random-bytes", "spec": {**spec.__dict__, "dtype": str(spec.dtype)}, "files": files,
               "seed": seed}
+    if max_shard_bytes is not None:
+        recipe["max_shard_bytes"] = max_shard_bytes
+    if finite:
+        recipe["finite"] = True
     if stamp.exists() and json.loads(stamp.read_text()) == recipe:
         return out
     out.mkdir(parents=True, exist_ok=True)
@@ -212,17 +238,22 @@ def write_random_checkpoint(directory: str | Path, spec: ModelSpec | str, *, fil
     itemsize = torch.finfo(spec.dtype).bits // 8
     shapes = [(name, shape, math.prod(shape) * itemsize) for name, shape in tensor_shapes(spec)]
     total = sum(n for _, _, n in shapes)
-    # Shards of about equal size, in order, as Hugging Face writes them.
+    # Shards in order, as Hugging Face writes them: of about equal size, or cut at max_shard_bytes.
     shards: list[list[tuple[str, tuple[int, ...], int]]] = [[]]
     filled = 0
     for item in shapes:
-        if shards[-1] and filled + item[2] > total / max(files, 1) * 1.0001 and len(shards) < files:
+        if max_shard_bytes is not None:
+            full = bool(shards[-1]) and filled + item[2] > max_shard_bytes
+        else:
+            full = bool(shards[-1]) and filled + item[2] > total / max(files, 1) * 1.0001 and len(shards) < files
+        if full:
             shards.append([])
             filled = 0
         shards[-1].append(item)
         filled += item[2]
     rng = np.random.default_rng(seed)
-    block = memoryview(rng.bytes(_RANDOM_BLOCK))
+    block = memoryview(_finite_block(rng, spec.dtype) if finite else rng.bytes(_RANDOM_BLOCK))
+    step = itemsize if finite else 1  # rotations by whole elements keep every value finite
     names = [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" if len(shards) > 1 else "model.safetensors"
              for k in range(len(shards))]
     weight_map: dict[str, str] = {}
@@ -242,7 +273,7 @@ def write_random_checkpoint(directory: str | Path, spec: ModelSpec | str, *, fil
             left = offset
             while left:
                 n = min(left, len(block))
-                k = int(rng.integers(len(block)))
+                k = int(rng.integers(len(block) // step)) * step
                 first = min(n, len(block) - k)
                 f.write(block[k:k + first])
                 if n > first:
