@@ -15,10 +15,10 @@ from vllm_fastload import plan as plan_module
 from vllm_fastload.config import FastloadConfig
 from vllm_fastload.errors import PlanError
 from vllm_fastload.executor import _direct_calls
+from vllm_fastload.model import reads as reads_module
+from vllm_fastload.model.rank import load_rank
 from vllm_fastload.plan import Chunk, TensorRequest
 from vllm_fastload.tensors import byte_view, view_tensor
-from vllm_fastload.vllm_plugin import reads as reads_module
-from vllm_fastload.vllm_plugin.rank import load_rank
 
 CONFIG = FastloadConfig.build({"progress": False})
 
