@@ -79,11 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-serve", action="store_true", help="only the engine-free load")
     p.set_defaults(func=_demo)
 
-    p = sub.add_parser("verify", help="load checkpoints with vLLM's default loader and with fastload on every rank "
-                       "and compare every parameter and buffer; exit 1 on any difference")
-    p.add_argument("model", nargs="+", help="checkpoint directories (or Hugging Face names vLLM can download)")
+    p = sub.add_parser("verify", help="load checkpoints with the engine's default loader and with fastload on every "
+                       "rank and compare every parameter and buffer; exit 1 on any difference")
+    p.add_argument("model", nargs="+", help="checkpoint directories (or Hugging Face names the engine can download)")
+    p.add_argument("--engine", default="vllm", choices=["vllm", "sglang"], help="the engine whose loaders are compared")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (one process per rank)")
-    p.add_argument("--dtype", default="auto", help="as vLLM's --dtype")
+    p.add_argument("--dtype", default="auto", help="as the engine's --dtype")
     p.add_argument("--fastload-config", default=None, metavar="JSON",
                    help="fastload's --model-loader-extra-config to verify (default: the defaults users get)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds before a rank still running is stopped")
