@@ -20,7 +20,7 @@ _registered = False
 
 def register() -> None:
     """Accept ``--load-format fastload`` and route it to ``FastloadModelLoader`` (idempotent); start
-    early reads where SGLang's arguments are parsed."""
+    early reads where SGLang resolves its arguments."""
     global _registered
     if _registered:
         return
@@ -44,7 +44,7 @@ def _loader_class() -> type:
 
 
 def _start_early_reads(server_args: object) -> None:
-    """Early reads (``model.early``) from the process that parsed SGLang's arguments."""
+    """Early reads (``model.early``) from the process that resolved SGLang's arguments."""
     from vllm_fastload.model import early
     from vllm_fastload.sglang_plugin import compat
 

@@ -137,17 +137,18 @@ def accept_load_format(name: str, loader_class: Callable[[], type]) -> None:
 
 
 def on_server_args(name: str, callback: Callable[[Any], None]) -> None:
-    """Call ``callback(server_args)`` whenever ``ServerArgs`` for ``--load-format name`` is built:
-    in the launching process (``sglang.launch_server``, ``sglang serve``, ``sglang.Engine``), long
-    before its scheduler processes load the model. The callback must not raise."""
+    """Call ``callback(server_args)`` once SGLang has resolved the ``ServerArgs`` of a start with
+    ``--load-format name`` (``ServerArgs.resolve_once``): in the launching process
+    (``sglang.launch_server``, ``sglang serve``, ``sglang.Engine``), before it starts the scheduler
+    processes that load the model. The callback must not raise."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    def after_post_init(result: Any, server_args: Any, *args: Any, **kwargs: Any) -> Any:
+    def after_resolve(result: Any, server_args: Any, *args: Any, **kwargs: Any) -> Any:
         if str(getattr(server_args, "load_format", "")).lower() == name:
             callback(server_args)
         return result
 
-    HookRegistry.register("sglang.srt.server_args.ServerArgs.__post_init__", after_post_init, HookType.AFTER)
+    HookRegistry.register("sglang.srt.server_args.ServerArgs.resolve_once", after_resolve, HookType.AFTER)
 
 
 def local_ranks(server_args: Any) -> int:

@@ -242,7 +242,7 @@ def compare(results: list[dict], path: str, reference: str = "default",
         v = Verdict(path, arch, mode, True, post_error=post_error)
         for rank, e in enumerate(entries):
             want, got = e[reference]["digests"], e[mode]["digests"]
-            v.names = len([n for n in want if not n.startswith("loaded:")])
+            v.names = len([n for n in want if not n.startswith("loaded:")]) or len(want)  # as loaded only
             wrong = [n for n in want if got.get(n) != want[n]] + [n for n in got if n not in want]
             v.differing.append(len(wrong))
             if wrong and v.first_difference is None:
