@@ -56,6 +56,10 @@ def _bench_gpu(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.engine == "sglang":
+        from vllm_fastload.bench.sglang import main as sglang_main
+
+        return sglang_main(args)
     from vllm_fastload.bench.vllm import main
 
     return main(args)
@@ -125,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "bench-llama-6g (6.46 GB, Llama-3-8B shapes with 10 layers) or bench-llama-SCHEME (the 1.67 GB "
                    "one quantized; SCHEME: int8, fp8, int4, gptq, awq), made under .fastload/ on first use")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repetitions (medians need >= 3)")
+    p.add_argument("--engine", default="vllm", choices=["vllm", "sglang"],
+                   help="sglang: SGLang's load_model in-process, fastload vs SGLang's default loader (local "
+                        "checkpoints; --model, --repeats, --tp, --cache and --out apply)")
     p.add_argument("--tp", default="1,2", help="comma-separated TP sizes")
     p.add_argument("--loaders", default=None, help="comma-separated; default: the source's usual set, "
                    "of those that run here")
