@@ -127,6 +127,8 @@ def main(args: argparse.Namespace) -> int:
     if args.repeats < 3:
         print(f"note: --repeats {args.repeats}: a smoke run; medians and spreads need >= 3")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.model and not Path(args.model).is_dir():
+        raise SystemExit(f"--model {args.model}: not a checkpoint directory (bench --engine sglang reads local ones)")
     path = args.model or str(write_checkpoint(".fastload/bench-llama", "bench-llama", files=4))
     tps = [int(t) for t in args.tp.split(",")]
     caches = (args.cache or "warm,cold").split(",")

@@ -214,6 +214,19 @@ def load_with_default_loader(load_config: Any, model_config: Any, device_config:
     return DefaultModelLoader(config).load_model(model_config=model_config, device_config=device_config)
 
 
+def load_weights_with_default_loader(load_config: Any, model: nn.Module, model_config: Any) -> None:
+    """``model``'s weights read exactly as ``--load-format auto`` reads them (every source, SGLang's
+    file and name filters), without post-processing (the caller's ``load_model`` does it)."""
+    import dataclasses
+
+    from sglang.srt.model_loader.loader import DefaultModelLoader
+
+    config = dataclasses.replace(load_config, load_format="auto", model_loader_extra_config={})
+    loader = DefaultModelLoader(config)
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    DefaultModelLoader.load_weights_only(model, loader._get_all_weights(model_config, model), device)
+
+
 def download_weights(model: str, load_config: Any, revision: str | None) -> str:
     """A Hugging Face model's safetensors files, downloaded the way SGLang's default loader does."""
     from sglang.srt.model_loader.weight_utils import download_weights_from_hf

@@ -69,9 +69,15 @@ class FastloadModelLoader(BaseModelLoader):
 
     # -- helpers ----------------------------------------------------------------------------
     def _load_weights(self, model: nn.Module, model_config: Any) -> None:
-        path = self._checkpoint_dir(model_config)
         tp = compat.tp_group()
         rank, world = (tp.rank_in_group, tp.world_size) if tp is not None else (0, 1)
+        why = _weights_left_to_sglang(model, self.load_config)
+        if why is not None:
+            logger.warning("fastload: %s: loading its weights with SGLang's default loader", why)
+            compat.load_weights_with_default_loader(self.load_config, model, model_config)
+            self.report = {"rank": rank, "world": world, "planned": False, "fallback_reason": why}
+            return
+        path = self._checkpoint_dir(model_config)
         collectives = exchange.Collectives(tp.cpu_group, rank, world) if tp is not None and world > 1 else None
         report = load_rank(model, path, self.config, device=model_device(model), rank=rank, world=world,
                            collectives=collectives, show_progress=self.config.progress and rank == 0,
@@ -99,6 +105,18 @@ def _left_to_sglang(model_config: Any) -> str | None:
     ModelOpt checkpoints go through Hugging Face's own loading in SGLang, not ``load_weights``."""
     if getattr(model_config, "modelopt_quant", None):
         return "ModelOpt quantization loads through transformers in SGLang"
+    return None
+
+
+def _weights_left_to_sglang(model: nn.Module, load_config: Any) -> str | None:
+    """Why SGLang's default loader reads this model's weights (None: fastload does): the model
+    attributes and options with which it reads other files or filters names, honoured as it does."""
+    if getattr(model, "secondary_weights", None):
+        return f"{type(model).__name__} also loads weights from other sources (secondary_weights)"
+    if getattr(model, "allow_patterns_overrides", None) is not None:
+        return f"{type(model).__name__} picks its own checkpoint files (allow_patterns_overrides)"
+    if getattr(load_config, "draft_model_idx", None) is not None:
+        return "a draft model's layer is picked out of the checkpoint (draft_model_idx)"
     return None
 
 
