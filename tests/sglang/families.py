@@ -21,9 +21,12 @@ PLANNED = (
 _ITEM = "Tensor.item() cannot be called on meta tensors"
 _COMPUTED = "a tensor computed from checkpoint data"
 _TRANSFORMED = "after checkpoint data was copied into it (a loader that transforms what it loaded)"
+_DERIVED = "is computed by copy_ from the checkpoint data copied into"
 #: Read whole through SGLang's load_weights (exact, not per rank): family -> why, as fastload logs it.
 WHOLE: dict[str, str] = {
     "ApertusForCausalLM": _ITEM,         # its xIELU activation reads its parameters with .item() as it loads
+    "DeepseekV3ForCausalLM": _COMPUTED,  # q_a_proj and kv_a_proj_with_mqa concatenated before the copy (MLA)
+    "Gemma2ForCausalLM": _DERIVED,       # its norms keep weight + 1 in a buffer, computed from the weight loaded
     "GemmaForCausalLM": _COMPUTED,       # SGLang's Gemma norm loader adds 1 to the checkpoint's weight
     "Glm4MoeLiteForCausalLM": _COMPUTED,  # q_a_proj and kv_a_proj_with_mqa concatenated before the copy
     "HYV3ForCausalLM": _COMPUTED,        # the expert bias converted before the copy
@@ -45,14 +48,22 @@ REFUSED: dict[str, str] = {
     "Llama4ForCausalLM": "feed_forward.experts.w13_weight",
 }
 _CONFIG = "SGLang reads a field transformers' config does not have: "
+_YARN = {"type": "yarn", "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0}
+#: Fields SGLang reads that transformers' configs lack and the released checkpoints' configs carry:
+#: added to the built checkpoint's config.json (the families above load with them).
+CONFIG_ADDITIONS: dict[str, dict] = {
+    "Gemma2ForCausalLM": {"hidden_act": "gelu_pytorch_tanh"},  # transformers names it hidden_activation
+    # SGLang's CPU rotary embedding for MLA asks for a rope_scaling config (DeepSeek-V3's is YaRN).
+    "DeepseekV3ForCausalLM": {"moe_layer_freq": 1, "rope_scaling": _YARN, "rope_parameters": _YARN},
+}
 #: Not loaded here: SGLang's CPU engine cannot build the model from transformers' config, with its
 #: default loader as with fastload (the fragment: SGLang's error).
 NOT_BUILT: dict[str, tuple[str, str]] = {
-    "DeepseekV2ForCausalLM": ("SGLang's CPU rotary embedding for MLA requires a rope_scaling config", "AssertionError"),
-    "DeepseekV3ForCausalLM": ("SGLang's CPU rotary embedding for MLA requires a rope_scaling config", "AssertionError"),
+    "DeepseekV2ForCausalLM": ("SGLang's CPU rotary embedding for MLA requires a rope_scaling config, and more fields "
+                              "of the released configs (moe_layer_freq, scoring_func, ...)", "AssertionError"),
     "Exaone4ForCausalLM": (_CONFIG + "sliding_window_pattern as a list", "object of type 'int' has no len()"),
     "ExaoneMoeForCausalLM": (_CONFIG + "is_moe_layer", "has no attribute 'is_moe_layer'"),
-    "Gemma2ForCausalLM": (_CONFIG + "hidden_act", "has no attribute 'hidden_act'"),
     "Gemma4ForCausalLM": (_CONFIG + "a global head_dim", "'head_dim' is a per-layer attribute"),
     "Mamba2ForCausalLM": (_CONFIG + "intermediate_size", "has no attribute 'intermediate_size'"),
     "Qwen3NextForCausalLM": (_CONFIG + "full_attention_interval", "has no attribute 'full_attention_interval'"),

@@ -41,6 +41,11 @@ def sglang_checkpoints(tmp_path_factory) -> dict[str, Path]:
     for name in [*CHECKPOINTS, *TP1_ONLY, *REFUSED, *NOT_BUILT, *QUANTIZED_NOT_BUILT]:
         out[name] = zoo.build(name, root) if name in zoo.QUANTIZED else registry.build(_arch(name), root,
                                                                                       name.rsplit("-", 1)[1])
+    for name, path in out.items():  # what the released checkpoints' configs carry and SGLang reads
+        additions = families.CONFIG_ADDITIONS.get(_arch(name))
+        if additions:
+            config = json.loads((path / "config.json").read_text())
+            (path / "config.json").write_text(json.dumps({**config, **additions}, indent=1))
     for name in families.FLOAT16:  # as AutoAWQ writes them: SGLang loads AWQ in float16 only
         config = json.loads((out[name] / "config.json").read_text())
         config["torch_dtype"] = config["dtype"] = "float16"

@@ -55,6 +55,35 @@ class Tied(nn.Module):
         return {"embed", "lm_head"}
 
 
+class DerivedNorm(nn.Module):
+    """SGLang's GemmaRMSNorm: its weight loader copies the checkpoint's weight, then computes a
+    buffer from the parameter it just filled (``gemma_weight = weight + 1``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(6), requires_grad=False)
+        self.register_buffer("gemma_weight", torch.ones(6), persistent=False)
+
+    def load_weights(self, weights):
+        for _, w in weights:
+            self.weight.data.copy_(w)
+            self.gemma_weight.copy_(self.weight.data).add_(1.0)
+        return {"weight"}
+
+
+def test_a_tensor_computed_from_a_filled_parameter_is_read_through_the_models_loader(tmp_path):
+    """The placeholders never put the checkpoint's values into the parameter, so a buffer computed
+    from it could not be replayed: the probe gives up on the model and it loads as the engine's
+    default loader loads it."""
+    w = torch.randn(6)
+    save_file({"norm.weight": w}, tmp_path / "model.safetensors")
+    model = DerivedNorm()
+    report = load_rank(model, str(tmp_path), CONFIG)
+    assert not report.planned
+    assert "gemma_weight is computed by copy_ from the checkpoint data copied into weight" in report.fallback_reason
+    assert torch.equal(model.weight, w) and torch.equal(model.gemma_weight, w + 1)
+
+
 @pytest.fixture
 def conv1d(tmp_path):
     w = torch.randn(8, 12, generator=torch.Generator().manual_seed(0))

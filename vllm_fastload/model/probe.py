@@ -424,6 +424,13 @@ class _Recorder(TorchFunctionMode):
             if any(isinstance(a, torch.Tensor) and a.is_meta for a in args[1:]):
                 self.result.unsupported.append(f"in-place {name} on {owner} uses checkpoint data")
                 return args[0]
+            source = self._checkpoint_holder((args[1:], kwargs))
+            if source is not None:
+                # Computed from what the checkpoint put in another tensor (Gemma's norm buffer =
+                # weight + 1): the placeholders never put those values there, so no replay would.
+                self.result.unsupported.append(f"{owner} is computed by {name} from the checkpoint data copied into "
+                                               f"{source} (a derived tensor)")
+                return func(*args, **kwargs)
             if name in ("fill_", "zero_", "copy_"):
                 # Known values written here now, and kept: a checkpoint copy may not overlap them.
                 self._claim(owner, args[0], f"{owner} is overwritten by {name} after checkpoint data was copied "
@@ -438,6 +445,16 @@ class _Recorder(TorchFunctionMode):
                 self._claim(owner, args[0][args[1]], f"{owner} is overwritten by item assignment after checkpoint "
                                                      "data was copied into it")
         return func(*args, **kwargs)
+
+    def _checkpoint_holder(self, objs) -> str | None:
+        """The model tensor among ``objs`` (real tensors) whose region holds checkpoint data, if any."""
+        for t in _tensors_in(objs):
+            if t.is_meta:
+                continue
+            owner = self.memory.owner(t)
+            if owner is not None and self._holds_checkpoint_data(owner, t):
+                return owner
+        return None
 
     def _holds_checkpoint_data(self, owner: str, dest: torch.Tensor) -> bool:
         region = _Region.of(dest, self.memory.start(owner))
