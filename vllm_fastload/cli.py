@@ -62,6 +62,10 @@ def _bench_gpu_vllm(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.engine == "sglang":
+        from vllm_fastload.bench.sglang import main as sglang_main
+
+        return sglang_main(args)
     from vllm_fastload.bench.vllm import main
 
     return main(args)
@@ -85,11 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-serve", action="store_true", help="only the engine-free load")
     p.set_defaults(func=_demo)
 
-    p = sub.add_parser("verify", help="load checkpoints with vLLM's default loader and with fastload on every rank "
-                       "and compare every parameter and buffer; exit 1 on any difference")
-    p.add_argument("model", nargs="+", help="checkpoint directories (or Hugging Face names vLLM can download)")
+    p = sub.add_parser("verify", help="load checkpoints with the engine's default loader and with fastload on every "
+                       "rank and compare every parameter and buffer; exit 1 on any difference")
+    p.add_argument("model", nargs="+", help="checkpoint directories (or Hugging Face names the engine can download)")
+    p.add_argument("--engine", default="vllm", choices=["vllm", "sglang"], help="the engine whose loaders are compared")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (one process per rank)")
-    p.add_argument("--dtype", default="auto", help="as vLLM's --dtype")
+    p.add_argument("--dtype", default="auto", help="as the engine's --dtype")
     p.add_argument("--fastload-config", default=None, metavar="JSON",
                    help="fastload's --model-loader-extra-config to verify (default: the defaults users get)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds before a rank still running is stopped")
@@ -147,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "Hugging Face Hub id (org/name) in the local cache: each loader given the id and its cached "
                    "snapshot as a directory (see --stand-in-hub)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repetitions (medians need >= 3)")
+    p.add_argument("--engine", default="vllm", choices=["vllm", "sglang"],
+                   help="sglang: SGLang's load_model in-process, fastload vs SGLang's default loader (local "
+                        "checkpoints; --model, --repeats, --tp, --cache and --out apply)")
     p.add_argument("--tp", default="1,2", help="comma-separated TP sizes")
     p.add_argument("--loaders", default=None, help="comma-separated; default: the source's usual set, "
                    "of those that run here")
