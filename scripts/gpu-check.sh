@@ -30,43 +30,15 @@
 # and the usual FASTLOAD_* variables (e.g. FASTLOAD_MEMORY_BUDGET) for fastload's configuration.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+source scripts/gpu-env.sh
 OUT_DIR=${OUT:-bench-results}
 mkdir -p "$OUT_DIR"
 START=$SECONDS
 BUDGET=${GPU_CHECK_BUDGET:-500}
 
-fstype() { stat -f -c %T "$1" 2>/dev/null || echo "?"; }
-
-machine() {
-  echo "== machine ($(date -u +%FT%TZ))"
-  nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.current,pcie.link.width.current \
-    --format=csv 2>&1 || echo "nvidia-smi: not available"
-  echo "CPUs: $(nproc); $(free -g | awk '/^Mem:/{print "memory " $2 " GiB total, " $7 " GiB available"}')"
-  echo "kernel $(uname -r); user $(id -un)"
-  if [ -r /proc/driver/nvidia-fs/version ]; then
-    echo "nvidia-fs (GDS kernel driver): $(head -3 /proc/driver/nvidia-fs/version | tr '\n' ' ')"
-  else
-    echo "nvidia-fs (GDS kernel driver): not loaded: kvikio and cuFile can only use POSIX compat paths"
-  fi
-  lsblk -d -o NAME,ROTA,SIZE,MODEL 2>/dev/null
-}
-
-pick_dir() {
-  # The checkpoint must sit on a disk: tmpfs would make 'cold' and 'disk' mean memory.
-  local want=${GPU_CHECK_DIR:-}
-  if [ -n "$want" ]; then echo "$want"; return; fi
-  local d
-  for d in .fastload/bench-gpu /var/tmp/fastload-bench-gpu /tmp/fastload-bench-gpu; do
-    mkdir -p "$d" 2>/dev/null || continue
-    case "$(fstype "$d")" in tmpfs|ramfs) continue ;; esac
-    echo "$d"; return
-  done
-  echo .fastload/bench-gpu
-}
-
 main() {
   local status=0 bench_status=0
-  machine
+  gpu_machine
 
   echo "== wheels"
   if compgen -G ".whl/*.whl" >/dev/null; then
@@ -79,43 +51,7 @@ main() {
     echo "WARNING: no .whl/ folder: run scripts/gpu-wheels.sh before the call and carry .whl"
     export PYTHONPATH=$PWD
   fi
-  # Native libraries the carried wheels dlopen by name: libkvikio finds libcufile through
-  # cuda-pathfinder (its directory goes on the library path as a fallback), and fastsafetensors
-  # dlopens the unversioned libcudart.so, which CUDA's pip wheels do not ship: it gets a link to
-  # the libcudart that torch itself loaded.
-  local libpath
-  libpath=$(python3 - /tmp/fastload-libs <<'EOF' 2>/dev/null
-import ctypes, glob, os, site, sys
-out = []
-roots = site.getsitepackages() + [p for p in sys.path if p.endswith("site-packages")] + ["/usr/local/cuda/lib64"]
-for root in roots:
-    hits = sorted(glob.glob(os.path.join(root, "nvidia", "*", "lib", "libcufile.so.0"))
-                  + glob.glob(os.path.join(root, "nvidia", "cufile", "lib", "libcufile.so.0"))
-                  + glob.glob(os.path.join(root, "libcufile.so.0")))
-    if hits:
-        out.append(os.path.dirname(hits[0]))
-        break
-try:
-    ctypes.CDLL("libcudart.so")
-except OSError:
-    import torch  # noqa: F401  (loads its libcudart.so.N)
-    links = sys.argv[1]
-    with open("/proc/self/maps") as maps:
-        found = [line.split()[-1] for line in maps if "/libcudart.so" in line]
-    if found:
-        os.makedirs(links, exist_ok=True)
-        target = os.path.join(links, "libcudart.so")
-        if os.path.lexists(target):
-            os.unlink(target)
-        os.symlink(found[0], target)
-        out.append(links)
-print(":".join(out))
-EOF
-)
-  if [ -n "$libpath" ]; then
-    export LD_LIBRARY_PATH=$libpath${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-    echo "library path for dlopen: $LD_LIBRARY_PATH"
-  fi
+  gpu_libpath  # scripts/gpu-env.sh
   python3 - <<'EOF'
 import importlib, sys
 import torch
@@ -145,7 +81,7 @@ EOF
   echo "pytest exit status: $status"
 
   local dir left
-  dir=$(pick_dir)
+  dir=$(pick_local_dir bench-gpu "${GPU_CHECK_DIR:-}")
   left=$((BUDGET - (SECONDS - START)))
   if [ "$left" -lt 120 ]; then left=120; fi  # `timeout 0` would mean no limit at all
   echo "== bench-gpu ($((SECONDS - START)) s so far, $left s left); checkpoint in $dir ($(fstype "$dir"))"

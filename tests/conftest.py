@@ -3,6 +3,7 @@ the default loader's digests at TP=2) happens once per session, whichever direct
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -42,3 +43,26 @@ def pytest_runtest_makereport(item, call):
         reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
         report.longrepr = f"skipped, which FASTLOAD_TEST_NO_SKIPS=1 does not allow: {reason}"
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """The SGLang tests (marker ``sglang``) need SGLang, which has its own environment (its pins
+    differ from vLLM's; scripts/test.sh builds it and runs them there, where none may skip). In an
+    environment without SGLang they are deselected, and the summary says so."""
+    if importlib.util.find_spec("sglang") is not None:
+        return
+    chosen = [item for item in items if item.get_closest_marker("sglang") is not None]
+    if chosen:
+        items[:] = [item for item in items if item.get_closest_marker("sglang") is None]
+        config.hook.pytest_deselected(items=chosen)
+        config.stash[_SGLANG_DESELECTED] = len(chosen)
+
+
+_SGLANG_DESELECTED = pytest.StashKey[int]()
+
+
+def pytest_terminal_summary(terminalreporter, config) -> None:
+    left = config.stash.get(_SGLANG_DESELECTED, 0)
+    if left:
+        terminalreporter.write_line(f"{left} SGLang tests deselected: SGLang is not installed in this environment; "
+                                    "scripts/test.sh runs them in the SGLang one (.venv-sglang)")

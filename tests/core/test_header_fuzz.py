@@ -11,8 +11,8 @@ the header's size; the process's peak RSS may not jump).
 
 Whatever safetensors refuses, fastload refuses too. fastload is stricter in one documented way:
 a header that names a tensor twice is refused (safetensors keeps the last), because which of
-the two entries is the tensor is a guess. ``FASTLOAD_FUZZ_EXAMPLES`` sets the number of examples
-(default 300, CI's share); a long run is ``FASTLOAD_FUZZ_EXAMPLES=100000``.
+the two entries is the tensor is a guess. ``FUZZ_EXAMPLES`` sets the number of examples
+(default 300, CI's share); a long run is ``FUZZ_EXAMPLES=100000``.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from vllm_fastload.format import MAX_HEADER_BYTES
 
 from ._util import raw_bytes
 
-EXAMPLES = int(os.environ.get("FASTLOAD_FUZZ_EXAMPLES", "300"))
+EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "300"))
 
 #: safetensors dtype -> element bytes, for those both torch and safetensors load.
 DTYPES = {"BOOL": 1, "U8": 1, "I8": 1, "I16": 2, "U16": 2, "I32": 4, "U32": 4, "I64": 8, "U64": 8,
@@ -118,7 +118,7 @@ def samples(draw) -> Sample:
         elif kind == "shape":
             dim = st.sampled_from(EDGE_INTS) | st.integers(-3, 9) | st.sampled_from([1.5, True, "2", None, [2]])
             entry["shape"] = draw(st.lists(dim, max_size=6) | st.sampled_from(
-                [None, 3, "3", {}, [2**40, 2**40], [2**32, 2**32, 0], [1] * 1000]))
+                [None, 3, "3", {}, [2**40, 2**40], [2**32, 2**32, 0], [0, 7, 2**62], [1] * 1000]))
         else:
             if draw(st.booleans()):
                 del entry[draw(st.sampled_from(sorted(entry)))]

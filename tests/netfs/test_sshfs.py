@@ -123,7 +123,7 @@ def test_early_reads_on_local_disks_by_default_and_on_network_filesystems_when_a
     """What the vLLM plugin reads while vLLM starts (``early.files_to_read``), decided on a real
     sshfs mount and on the local disk it serves: by default ('auto') the local disk only,
     'always' (or true) both, 'never' (or false) neither."""
-    from vllm_fastload.vllm_plugin.early import files_to_read
+    from vllm_fastload.model.early import files_to_read
 
     served = sorted(p.name for p in local_checkpoint.glob("*.safetensors"))
     assert len(served) == 2
@@ -149,8 +149,8 @@ def test_no_row_exchange_by_default_on_a_network_filesystem(mounted: Path, local
     ``always`` and ``never`` are obeyed. (A local disk: tests/vllm/test_sharing.py.)"""
     from vllm_fastload.bench.machine import evict
     from vllm_fastload.config import FastloadConfig
+    from vllm_fastload.model.rank import _Sharing
     from vllm_fastload.plan import TensorRequest
-    from vllm_fastload.vllm_plugin.rank import _Sharing
 
     def offer(**settings) -> tuple[bool, str | None]:
         config = FastloadConfig(progress=False, **settings)

@@ -134,8 +134,11 @@ def model_type(arch: str) -> str | None:
     """The transformers ``model_type`` whose causal-LM class is ``arch`` (or the vLLM class serving it,
     for vLLM's aliases such as ``LLaMAForCausalLM``); None when transformers has none."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    from vllm.model_executor.models.registry import _TEXT_GENERATION_MODELS
 
+    try:
+        from vllm.model_executor.models.registry import _TEXT_GENERATION_MODELS
+    except ImportError:  # an environment without vLLM (tests/sglang): the architecture's own name only
+        _TEXT_GENERATION_MODELS = {arch: ("", arch)}
     module, cls = _TEXT_GENERATION_MODELS[arch]
     for name in (arch, cls):
         found = [t for t, c in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items() if c.lower() == name.lower()]

@@ -69,7 +69,7 @@ def main() -> None:
             start_ray(world, result)
         from vllm import LLM, SamplingParams
 
-        from vllm_fastload.vllm_plugin.digests import parameter_digests
+        from vllm_fastload.tools.digests import parameter_digests
 
         kwargs = {"model_loader_extra_config": extra} if extra is not None else {}
         llm = LLM(model=model, load_format=load_format, tensor_parallel_size=tp, max_model_len=128,

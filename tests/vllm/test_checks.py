@@ -15,10 +15,10 @@ from vllm_fastload import plan as plan_module
 from vllm_fastload.config import FastloadConfig
 from vllm_fastload.errors import PlanError
 from vllm_fastload.executor import _direct_calls
+from vllm_fastload.model import reads as reads_module
+from vllm_fastload.model.rank import load_rank
 from vllm_fastload.plan import Chunk, TensorRequest
 from vllm_fastload.tensors import byte_view, view_tensor
-from vllm_fastload.vllm_plugin import reads as reads_module
-from vllm_fastload.vllm_plugin.rank import load_rank
 
 CONFIG = FastloadConfig.build({"progress": False})
 
@@ -53,6 +53,35 @@ class Tied(nn.Module):
             self.embed.data.copy_(w)
             self.lm_head.data.copy_(w)
         return {"embed", "lm_head"}
+
+
+class DerivedNorm(nn.Module):
+    """SGLang's GemmaRMSNorm: its weight loader copies the checkpoint's weight, then computes a
+    buffer from the parameter it just filled (``gemma_weight = weight + 1``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(6), requires_grad=False)
+        self.register_buffer("gemma_weight", torch.ones(6), persistent=False)
+
+    def load_weights(self, weights):
+        for _, w in weights:
+            self.weight.data.copy_(w)
+            self.gemma_weight.copy_(self.weight.data).add_(1.0)
+        return {"weight"}
+
+
+def test_a_tensor_computed_from_a_filled_parameter_is_read_through_the_models_loader(tmp_path):
+    """The placeholders never put the checkpoint's values into the parameter, so a buffer computed
+    from it could not be replayed: the probe gives up on the model and it loads as the engine's
+    default loader loads it."""
+    w = torch.randn(6)
+    save_file({"norm.weight": w}, tmp_path / "model.safetensors")
+    model = DerivedNorm()
+    report = load_rank(model, str(tmp_path), CONFIG)
+    assert not report.planned
+    assert "gemma_weight is computed by copy_ from the checkpoint data copied into weight" in report.fallback_reason
+    assert torch.equal(model.weight, w) and torch.equal(model.gemma_weight, w + 1)
 
 
 @pytest.fixture

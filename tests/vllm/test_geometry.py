@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from vllm_fastload.config import FastloadConfig
-from vllm_fastload.vllm_plugin.rank import RankReport, load_rank
+from vllm_fastload.model.rank import RankReport, load_rank
 
 from . import patterns
 from .layers import Case, ThreadCollectives, on_rank, parameter_bytes, vllm_context

@@ -53,7 +53,7 @@ def test_whole_reads_on_several_ranks_go_through_the_page_cache():
     """Every rank reads every tensor through load_weights: with O_DIRECT each would fetch the whole
     checkpoint from disk (TP=2 cold took 2.4x the default loader); the page cache shares one read."""
     from vllm_fastload.config import FastloadConfig
-    from vllm_fastload.vllm_plugin.rank import whole_reads_config as _whole_reads_config
+    from vllm_fastload.model.rank import whole_reads_config as _whole_reads_config
 
     config = FastloadConfig.build({"progress": False})
     assert _whole_reads_config(config, 2).direct_io == "never"

@@ -15,8 +15,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from vllm_fastload.config import FastloadConfig
-from vllm_fastload.vllm_plugin.probe import probe_model
-from vllm_fastload.vllm_plugin.rank import load_rank
+from vllm_fastload.model.probe import probe_model
+from vllm_fastload.model.rank import load_rank
 
 #: The default, and enclosing rows read through their gaps (as on network filesystems).
 READERS = {"default": {}, "enclosing": {"strided_min_skip": 1 << 40}}
@@ -325,7 +325,7 @@ def test_box_overlap_matches_the_elements_shared():
     for views that share an element."""
     import random
 
-    from vllm_fastload.vllm_plugin.probe import _overlap
+    from vllm_fastload.model.probe import _overlap
 
     rng = random.Random(0)
     base = torch.zeros(6, 8, 10, dtype=torch.int16)

@@ -15,10 +15,10 @@ from vllm_fastload import exchange
 from vllm_fastload.bench.machine import evict
 from vllm_fastload.config import FastloadConfig
 from vllm_fastload.format import TensorInfo
+from vllm_fastload.model import rank as rank_module
+from vllm_fastload.model.rank import _machine, _Sharing
 from vllm_fastload.plan import TensorRequest
 from vllm_fastload.tools.checkpoints import write_checkpoint
-from vllm_fastload.vllm_plugin import rank as rank_module
-from vllm_fastload.vllm_plugin.rank import _machine, _Sharing
 
 from .layers import ThreadCollectives
 

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.vllm
 SUMMARY = re.compile(r"fastload rank (\d+)/(\d+): read ([\d.]+) MB of ([\d.]+) MB checkpoint \(([\d.]+)"
                      r"(?:, [\d.]+x the [\d.]+ MB it keeps)?\) "
                      r"with backend (\w+) .*?; (\d+) whole and (\d+) sliced reads into parameters, (\d+) tensors "
-                     r"read in slabs and copied by vLLM's recorded slicing, (\d+) checkpoint tensors not needed")
+                     r"read in slabs and copied by the model's recorded slicing, (\d+) checkpoint tensors not needed")
 
 
 def summaries(log: str) -> dict[int, tuple]:

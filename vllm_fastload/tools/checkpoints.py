@@ -189,12 +189,16 @@ _RANDOM_BLOCK = (16 << 20) + 4099
 _Shape = tuple[str, tuple[int, ...], int]
 
 
-def _shards(shapes: list[_Shape], total: int, files: int) -> list[list[_Shape]]:
-    """Shards of about equal size, in order, as Hugging Face writes them."""
+def _shards(shapes: list[_Shape], total: int, files: int, max_shard_bytes: int | None) -> list[list[_Shape]]:
+    """Shards in order, as Hugging Face writes them: of about equal size, or cut at ``max_shard_bytes``."""
     shards: list[list[_Shape]] = [[]]
     filled = 0
     for item in shapes:
-        if shards[-1] and filled + item[2] > total / max(files, 1) * 1.0001 and len(shards) < files:
+        if max_shard_bytes is not None:
+            full = bool(shards[-1]) and filled + item[2] > max_shard_bytes
+        else:
+            full = bool(shards[-1]) and filled + item[2] > total / max(files, 1) * 1.0001 and len(shards) < files
+        if full:
             shards.append([])
             filled = 0
         shards[-1].append(item)
@@ -202,8 +206,9 @@ def _shards(shapes: list[_Shape], total: int, files: int) -> list[list[_Shape]]:
     return shards
 
 
-def _write_random_file(path: Path, shard: list[_Shape], dtype: str, block: memoryview, rng: Any) -> None:
-    """One safetensors file of ``shard``'s tensors, each a rotation of ``block`` per piece, fsynced."""
+def _write_random_file(path: Path, shard: list[_Shape], dtype: str, block: memoryview, rng: Any, step: int) -> None:
+    """One safetensors file of ``shard``'s tensors, each piece a rotation of ``block`` by a
+    multiple of ``step`` bytes, fsynced."""
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, shape, nbytes in shard:
@@ -217,7 +222,7 @@ def _write_random_file(path: Path, shard: list[_Shape], dtype: str, block: memor
         left = offset
         while left:
             n = min(left, len(block))
-            k = int(rng.integers(len(block)))
+            k = int(rng.integers(len(block) // step)) * step
             first = min(n, len(block) - k)
             f.write(block[k:k + first])
             if n > first:
@@ -227,7 +232,24 @@ def _write_random_file(path: Path, shard: list[_Shape], dtype: str, block: memor
         os.fsync(f.fileno())
 
 
-def write_random_checkpoint(directory: str | Path, spec: ModelSpec | str, *, files: int = 4, seed: int = 0) -> Path:
+def _finite_block(rng, dtype: torch.dtype) -> bytes:
+    """``_RANDOM_BLOCK`` bytes (rounded down to whole elements) of finite values of ``dtype``
+    with magnitudes 2^-10 to 2^-4: random sign and mantissa, an exponent drawn from six."""
+    import numpy as np
+
+    bits = {torch.bfloat16: (16, 8, 7), torch.float16: (16, 5, 10), torch.float32: (32, 8, 23)}
+    width, exponent_bits, mantissa_bits = bits[dtype]
+    bias = (1 << (exponent_bits - 1)) - 1
+    n = _RANDOM_BLOCK // (width // 8)
+    kind = np.uint16 if width == 16 else np.uint32
+    sign = rng.integers(0, 2, n, dtype=kind) << (width - 1)
+    exponent = (rng.integers(bias - 10, bias - 4, n, dtype=kind)) << mantissa_bits
+    mantissa = rng.integers(0, 1 << mantissa_bits, n, dtype=kind)
+    return (sign | exponent | mantissa).astype(kind).tobytes()
+
+
+def write_random_checkpoint(directory: str | Path, spec: ModelSpec | str, *, files: int = 4, seed: int = 0,
+                            max_shard_bytes: int | None = None, finite: bool = False) -> Path:
     """Write a checkpoint of random bytes at the speed of the disk, for benchmarks of many GB.
 
     ``write_checkpoint`` draws normal values per tensor, which takes minutes for 8 GB on a few
@@ -235,6 +257,11 @@ def write_random_checkpoint(directory: str | Path, spec: ModelSpec | str, *, fil
     rotations (by a seeded random offset per 16 MiB piece) of one random block, written
     without copying, so the files are incompressible and no two pieces look alike, while
     writing costs nothing beyond the I/O. Floats may be NaN: compare such tensors bitwise.
+    ``finite``: every value is a finite float of magnitude 2^-10 to 2^-4 (random sign, exponent
+    and mantissa, rotated by whole elements), so that a model built from it computes finite
+    logits and greedy decoding depends on every weight. ``max_shard_bytes``: shards cut as
+    ``save_pretrained`` cuts them (a new file when the next tensor would take the current one
+    past the limit; the Hub's checkpoints use 5 GB) instead of into ``files`` equal parts.
     The safetensors files are laid out by our own writer (header padded to 8 bytes, tensors in
     Hugging Face order), then fsynced so that their pages are clean and can be evicted.
     Idempotent like ``write_checkpoint``.
@@ -246,6 +273,10 @@ def write_random_checkpoint(directory: str | Path, spec: ModelSpec | str, *, fil
     stamp = out / ".fastload-checkpoint.json"
     recipe = {"kind": "random-bytes", "spec": {**spec.__dict__, "dtype": str(spec.dtype)}, "files": files,
               "seed": seed}
+    if max_shard_bytes is not None:
+        recipe["max_shard_bytes"] = max_shard_bytes
+    if finite:
+        recipe["finite"] = True
     if stamp.exists() and json.loads(stamp.read_text()) == recipe:
         return out
     out.mkdir(parents=True, exist_ok=True)
@@ -255,14 +286,15 @@ def write_random_checkpoint(directory: str | Path, spec: ModelSpec | str, *, fil
     itemsize = torch.finfo(spec.dtype).bits // 8
     shapes = [(name, shape, math.prod(shape) * itemsize) for name, shape in tensor_shapes(spec)]
     total = sum(n for _, _, n in shapes)
-    shards = _shards(shapes, total, files)
+    shards = _shards(shapes, total, files, max_shard_bytes)
     rng = np.random.default_rng(seed)
-    block = memoryview(rng.bytes(_RANDOM_BLOCK))
+    block = memoryview(_finite_block(rng, spec.dtype) if finite else rng.bytes(_RANDOM_BLOCK))
+    step = itemsize if finite else 1  # rotations by whole elements keep every value finite
     names = [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" if len(shards) > 1 else "model.safetensors"
              for k in range(len(shards))]
     weight_map: dict[str, str] = {}
     for file_name, shard in zip(names, shards):
-        _write_random_file(out / file_name, shard, _SAFETENSORS_DTYPES[spec.dtype], block, rng)
+        _write_random_file(out / file_name, shard, _SAFETENSORS_DTYPES[spec.dtype], block, rng, step)
         weight_map.update((name, file_name) for name, _, _ in shard)
     if len(shards) > 1:
         (out / "model.safetensors.index.json").write_text(json.dumps(

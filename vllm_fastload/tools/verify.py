@@ -1,9 +1,10 @@
-"""``vllm-fastload verify MODEL --tp N``: is fastload exact on your checkpoint, on every rank?
+"""``vllm-fastload verify [--engine sglang] MODEL --tp N``: is fastload exact on your checkpoint, on every rank?
 
-Loads each checkpoint with vLLM's default loader and with fastload, through vLLM's own loader
-interface, in N rank processes that set up vLLM's distributed state the way its workers do, and
-compares every parameter and buffer on every rank, byte for byte: right after the weights are
-loaded and again after vLLM's post-processing. Run it once before switching a model family over.
+Loads each checkpoint with the engine's default loader and with fastload, through the engine's own
+loader interface, in N rank processes that set up its distributed state the way its workers do,
+and compares every parameter and buffer on every rank, byte for byte: right after the weights are
+loaded and again after the engine's post-processing. Run it once before switching a model family
+over. vLLM's rank processes are below; SGLang's are in ``tools.sglang_ranks``.
 
 One process per rank sets vLLM's distributed state up once (``init_distributed_environment`` and
 ``ensure_model_parallel_initialized`` under ``set_current_vllm_config``, gloo on CPU, NCCL on
@@ -49,7 +50,7 @@ def load_and_digest(path: str, tp: int, load_format: str, extra: dict, dtype: st
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader import get_model_loader
 
-    from vllm_fastload.vllm_plugin.digests import digests_before_post_processing, parameter_digests
+    from vllm_fastload.tools.digests import digests_before_post_processing, parameter_digests
 
     config = engine_config(path, tp, load_format, extra, dtype)
     loaded: dict[str, str] = {}
@@ -140,9 +141,10 @@ def _load_all(rank: int, out_dir: str, paths: list[str], modes: dict, tp: int, d
 
 def run_ranks(paths: list[str], tp: int, out_dir: str | Path, modes: Mapping[str, tuple[str, dict]] = DEFAULT_MODES,
               dtype: str = "auto", timeout: float = 1800, verbose: bool = True,
-              more: Mapping[str, Mapping[str, tuple[str, dict]]] | None = None) -> list[dict]:
-    """Start ``tp`` rank processes over ``paths``; every rank's results (``rank_main``), in rank order.
-    ``more`` adds modes for some paths only.
+              more: Mapping[str, Mapping[str, tuple[str, dict]]] | None = None, engine: str = "vllm") -> list[dict]:
+    """Start ``tp`` rank processes over ``paths``; every rank's results (``rank_main``, or SGLang's
+    ``sglang_ranks.rank_main`` for ``engine="sglang"``), in rank order. ``more`` adds modes for some
+    paths only.
 
     A rank still running at ``timeout`` (e.g. one waiting in a collective for a rank that died) is
     killed; its checkpoints missing from its results read as errors.
@@ -150,9 +152,14 @@ def run_ranks(paths: list[str], tp: int, out_dir: str | Path, modes: Mapping[str
     import multiprocessing as mp
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if not verbose:
+    target = rank_main
+    if engine == "sglang":
+        from vllm_fastload.tools import sglang_ranks
+
+        target = sglang_ranks.rank_main
+    elif not verbose:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the ranks' start-up chatter
-    if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+    if engine == "vllm" and tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         cpus = os.cpu_count() or 1  # vLLM-CPU binds each rank's threads; share the cores round robin
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % cpus) for r in range(tp))
     out_dir = Path(out_dir)
@@ -161,7 +168,7 @@ def run_ranks(paths: list[str], tp: int, out_dir: str | Path, modes: Mapping[str
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=rank_main, args=(r, tp, port, str(out_dir), list(paths), dict(modes), dtype,
+    procs = [ctx.Process(target=target, args=(r, tp, port, str(out_dir), list(paths), dict(modes), dtype,
                                                     {k: dict(v) for k, v in (more or {}).items()}))
              for r in range(tp)]
     for p in procs:
@@ -173,8 +180,8 @@ def run_ranks(paths: list[str], tp: int, out_dir: str | Path, modes: Mapping[str
         if p.is_alive():
             p.kill()
             p.join()
-    # The ranks' shared-memory files, named after the rendezvous port, which a killed rank leaves.
-    remove_cpu_shm({str(port)}, ended=time.time())
+    if engine == "vllm":  # the ranks' shared-memory files, named after the rendezvous port, which a killed rank leaves
+        remove_cpu_shm({str(port)}, ended=time.time())
     results = []
     for r, p in enumerate(procs):
         f = out_dir / f"rank{r}.json"
@@ -202,6 +209,9 @@ class Verdict:
     planned: list[bool] = field(default_factory=list)
     fallback_reason: str | None = None
     post_processed: list[int] = field(default_factory=list)  # modules post-processed per layer, per rank
+    #: The engine's post-processing failed in both loads (same error): only the weights as loaded
+    #: were compared (``compare(..., post_errors_allowed=True)``).
+    post_error: str | None = None
 
     def line(self) -> str:
         head = f"{self.architecture} ({self.path}), {self.mode}"
@@ -213,8 +223,10 @@ class Verdict:
         if any(self.post_processed):
             how += f", post-processed per layer ({'/'.join(map(str, self.post_processed))} modules)"
         if self.exact:
-            return (f"{head}: exact on all {ranks} ranks ({self.names} parameters and buffers each, after loading "
-                    f"and after post-processing); {how}; share of the checkpoint read per rank {shares}")
+            after = (f"after loading; post-processing failed in both loads: {self.post_error}" if self.post_error
+                     else "after loading and after post-processing")
+            return (f"{head}: exact on all {ranks} ranks ({self.names} parameters and buffers each, {after}); {how}; "
+                    f"share of the checkpoint read per rank {shares}")
         assert self.first_difference is not None  # set wherever a name differs
         rank, name = self.first_difference
         total = sum(self.differing)
@@ -222,34 +234,61 @@ class Verdict:
                 f"{sum(1 for d in self.differing if d)} of {ranks} ranks); {how}")
 
 
-def compare(results: list[dict], path: str, reference: str = "default") -> list[Verdict]:
-    """Each mode of ``path`` against ``reference``, rank by rank."""
+def compare(results: list[dict], path: str, reference: str = "default",
+            post_errors_allowed: bool = False) -> list[Verdict]:
+    """Each mode of ``path`` against ``reference``, rank by rank. A load whose post-processing
+    failed is an error, unless ``post_errors_allowed`` and every load of the checkpoint failed
+    there alike: then the weights as loaded are compared (a test machine without the engine's
+    kernels)."""
     arch = architecture(path)
     entries = [r[path] for r in results]
-    errors = [(rank, e) for rank, e in enumerate(entries) if "error" in e]
-    modes = [m for m in (entries[0] if not errors else {}) if m != reference]
-    if errors:
-        rank, e = errors[0]
-        return [Verdict(path, arch, "all", False, error=f"rank {rank}: {e['error']}")]
+    error, post_error = _load_errors(entries, post_errors_allowed)
+    if error is not None:
+        return [Verdict(path, arch, "all", False, error=error)]
     verdicts = []
-    for mode in modes:
-        v = Verdict(path, arch, mode, True)
+    for mode in [m for m in entries[0] if m != reference]:
+        v = Verdict(path, arch, mode, True, post_error=post_error)
         for rank, e in enumerate(entries):
-            want, got = e[reference]["digests"], e[mode]["digests"]
-            v.names = len([n for n in want if not n.startswith("loaded:")])
-            wrong = [n for n in want if got.get(n) != want[n]] + [n for n in got if n not in want]
-            v.differing.append(len(wrong))
-            if wrong and v.first_difference is None:
-                v.first_difference = (rank, wrong[0].removeprefix("loaded:"))
-            report = e[mode].get("report") or {}
-            if report:
-                v.read_share.append(report["bytes_read"] / max(report["bytes_total"], 1))
-                v.planned.append(bool(report["planned"]))
-                v.fallback_reason = v.fallback_reason or report.get("fallback_reason")
-                v.post_processed.append(int(report.get("post_processed", 0)))
+            _compare_rank(v, rank, e[reference], e[mode])
         v.exact = not any(v.differing)
         verdicts.append(v)
     return verdicts
+
+
+def _load_errors(entries: list[dict], post_errors_allowed: bool) -> tuple[str | None, str | None]:
+    """The first rank's error that fails the checkpoint (``"rank R: ..."``), and the
+    post-processing error every load shared where ``post_errors_allowed`` lets it pass."""
+    errors = [(rank, e) for rank, e in enumerate(entries) if "error" in e]
+    post = {e[m]["post_error"] for e in entries if "error" not in e for m in e if "post_error" in e[m]}
+    loads = [e[m] for e in entries if "error" not in e for m in e]
+    post_error = None
+    if post and not errors:
+        rank, mode = next((r, m) for r, e in enumerate(entries) for m in e if "post_error" in e[m])
+        if not post_errors_allowed or len(post) > 1 or any("post_error" not in d for d in loads):
+            failed = entries[rank][mode]["post_error"]
+            errors = [(rank, {"error": f"post-processing of the {mode} load failed: {failed}"})]
+        else:
+            post_error = post.pop()
+    if errors:
+        rank, e = errors[0]
+        return f"rank {rank}: {e['error']}", None
+    return None, post_error
+
+
+def _compare_rank(v: Verdict, rank: int, reference: dict, load: dict) -> None:
+    """Add one rank's comparison of ``load`` with ``reference`` to ``v``."""
+    want, got = reference["digests"], load["digests"]
+    v.names = len([n for n in want if not n.startswith("loaded:")]) or len(want)  # as loaded only
+    wrong = [n for n in want if got.get(n) != want[n]] + [n for n in got if n not in want]
+    v.differing.append(len(wrong))
+    if wrong and v.first_difference is None:
+        v.first_difference = (rank, wrong[0].removeprefix("loaded:"))
+    report = load.get("report") or {}
+    if report:
+        v.read_share.append(report["bytes_read"] / max(report["bytes_total"], 1))
+        v.planned.append(bool(report["planned"]))
+        v.fallback_reason = v.fallback_reason or report.get("fallback_reason")
+        v.post_processed.append(int(report.get("post_processed", 0)))
 
 
 def architecture(path: str) -> str:
@@ -263,6 +302,8 @@ def main(args) -> int:
     """The ``verify`` command: 0 when every checkpoint is exact on every rank, 1 otherwise."""
     import tempfile
 
+    engine = getattr(args, "engine", "vllm")
+    name = "SGLang" if engine == "sglang" else "vLLM"
     extra = json.loads(args.fastload_config) if args.fastload_config else {}
     modes = {"default": DEFAULT_MODES["default"], "fastload": ("fastload", {"progress": False, **extra})}
     # A path that does not exist; a Hugging Face id ("org/name") is left to vLLM's downloader.
@@ -271,10 +312,11 @@ def main(args) -> int:
         print(f"verify: no such checkpoint directory: {', '.join(missing)}", file=sys.stderr)
         return 2
     paths = [str(Path(p).resolve()) if Path(p).exists() else p for p in args.model]
-    print(f"verify: {len(paths)} checkpoint(s), TP={args.tp}, vLLM's default loader against fastload "
+    print(f"verify: {len(paths)} checkpoint(s), TP={args.tp}, {name}'s default loader against fastload "
           f"{json.dumps(modes['fastload'][1])}", flush=True)
     with tempfile.TemporaryDirectory(prefix="fastload-verify-") as out:
-        results = run_ranks(paths, args.tp, out, modes, dtype=args.dtype, timeout=args.timeout, verbose=args.verbose)
+        results = run_ranks(paths, args.tp, out, modes, dtype=args.dtype, timeout=args.timeout, verbose=args.verbose,
+                            engine=engine)
     verdicts = [v for path in paths for v in compare(results, path)]
     for v in verdicts:
         print(v.line())

@@ -19,12 +19,13 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from vllm_fastload import exchange
 from vllm_fastload.config import FastloadConfig
-from vllm_fastload.errors import CheckpointError, ConfigError
+from vllm_fastload.errors import CheckpointError
+from vllm_fastload.model.options import loader_config
+from vllm_fastload.model.rank import load_rank, model_device
 from vllm_fastload.sources import is_remote
 from vllm_fastload.vllm_plugin import compat, early, model_hooks
 from vllm_fastload.vllm_plugin.cpus import reader_cpus
 from vllm_fastload.vllm_plugin.post import LayerPostProcessor
-from vllm_fastload.vllm_plugin.rank import load_rank, model_device
 
 # Under "vllm." so vLLM's own handlers and format apply.
 logger = logging.getLogger("vllm.fastload")
@@ -43,9 +44,7 @@ class FastloadModelLoader(BaseModelLoader):
         compat.require()  # on a vLLM that lacks what fastload needs, stop here, naming it
         super().__init__(load_config)
         # Env first, then --model-loader-extra-config on top; unknown keys stop start-up here.
-        extra = load_config.model_loader_extra_config or {}
-        _refuse_secrets(extra)
-        self.config = FastloadConfig.from_env(**extra)
+        self.config = loader_config(load_config.model_loader_extra_config, "vLLM")
         #: What the last ``load_weights`` did on this rank (also logged): for tests and tools that
         #: load in-process, e.g. tests/vllm/zoo.py.
         self.report: dict = {}
@@ -162,19 +161,3 @@ def _tp_collectives() -> exchange.Collectives | None:
     if tp is None or tp.world_size == 1:
         return None
     return exchange.Collectives(tp.cpu_group, tp.rank_in_group, tp.world_size)
-
-
-#: Store option names that hold credentials (obstore's S3/GCS/Azure option names contain one of these).
-_SECRET_WORDS = ("secret", "token", "password", "key", "sas", "credential")
-
-
-def _refuse_secrets(extra: dict) -> None:
-    """vLLM prints ``--model-loader-extra-config`` verbatim in its start-up log, so credentials
-    there would be in every log line shipped anywhere: stop with a pointer to the environment."""
-    remote = extra.get("remote")
-    options = (remote.get("store_options") or {}) if isinstance(remote, dict) else {}
-    found = sorted(k for k in options if any(w in str(k).lower() for w in _SECRET_WORDS))
-    if found:
-        raise ConfigError(f"remote.store_options {', '.join(found)} in --model-loader-extra-config would be printed "
-                          "in vLLM's start-up log: pass credentials through the environment (AWS_SECRET_ACCESS_KEY, "
-                          "GOOGLE_APPLICATION_CREDENTIALS, AZURE_STORAGE_ACCOUNT_KEY, ...) or FASTLOAD_REMOTE")

@@ -6,7 +6,7 @@ no more than the rank keeps), so only a comparison with the default loader can t
 import os
 
 if os.environ.get("VERIFY_FAULT_RANK"):
-    from vllm_fastload.vllm_plugin import rank as _rank
+    from vllm_fastload.model import rank as _rank
 
     _plan_reads = _rank.plan_reads
 

@@ -26,10 +26,10 @@ import torch
 
 from vllm_fastload.errors import CheckpointError, PlanError
 from vllm_fastload.format import TensorInfo
+from vllm_fastload.model.geometry import LayoutError, SlabView, plan_slabs
+from vllm_fastload.model.probe import Placement, ProbeResult
 from vllm_fastload.plan import Plan, TensorRequest, plan_tensor
 from vllm_fastload.tensors import CASTABLE, dtype_of, shape_of
-from vllm_fastload.vllm_plugin.geometry import LayoutError, SlabView, plan_slabs
-from vllm_fastload.vllm_plugin.probe import Placement, ProbeResult
 
 
 @dataclass
@@ -113,7 +113,8 @@ class RankReads:
     def summary(self, checkpoint_tensors: int) -> str:
         skipped = checkpoint_tensors - len(self.writes)
         return (f"{self.whole} whole and {self.sliced} sliced reads into parameters, {self.replayed} tensors read "
-                f"in slabs and copied by vLLM's recorded slicing, {skipped} checkpoint tensors not needed on this rank")
+                f"in slabs and copied by the model's recorded slicing, {skipped} checkpoint tensors not needed on "
+                "this rank")
 
 
 def plan_reads(probe: ProbeResult, infos: Mapping[str, TensorInfo], strided_min_skip: int) -> RankReads:

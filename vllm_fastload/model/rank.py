@@ -7,11 +7,12 @@
 3. Read: one aggregated pass in layer order through the core reader, firing layer events; at
    TP>1 on object stores and cold local disks the ranks share row reads (see ``exchange``).
 If the probe cannot describe the model's loading, every tensor is read in full and handed to
-``model.load_weights`` for real, the way vLLM's default loader does it.
+``model.load_weights`` for real, the way the engines' default loaders do it.
 
-Engine-independent: it needs the model's ``load_weights`` and, for the row exchange, the
-collectives of the tensor-parallel group. The vLLM loader (``loader``) wraps it; tests drive it
-directly with vLLM's own layers.
+Engine-independent: it needs the model's ``load_weights`` (or the engine's wrapper of it) and, for
+the row exchange, the collectives of the tensor-parallel group. The vLLM and SGLang loaders
+(``vllm_plugin.loader``, ``sglang_plugin.loader``) wrap it; tests drive it directly with the
+engines' own layers.
 """
 
 from __future__ import annotations
@@ -22,22 +23,23 @@ import math
 import socket
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 from torch import nn
 
-import vllm_fastload
 from vllm_fastload import exchange
+from vllm_fastload.api import FastCheckpoint
 from vllm_fastload.config import FastloadConfig, reader_cpu_count
 from vllm_fastload.errors import CheckpointError
+from vllm_fastload.model.probe import LoadWeights, ProbeResult, probe_model
+from vllm_fastload.model.reads import RankReads, plan_reads
 from vllm_fastload.readers.memory import Prefault
 from vllm_fastload.tensors import dtype_of, shape_of
-from vllm_fastload.vllm_plugin.probe import ProbeResult, probe_model
-from vllm_fastload.vllm_plugin.reads import RankReads, plan_reads
 
-logger = logging.getLogger("vllm.fastload")
+# The core's logger: the adapters show its lines in their engine's log.
+logger = logging.getLogger("vllm_fastload")
 
 
 @dataclass
@@ -65,6 +67,8 @@ class RankReport:
     #: The share of the checkpoint in the page cache as the load began (early reads, or a warm
     #: cache); None where it cannot be told (object stores).
     cached: float | None = None
+    #: Parameters no checkpoint write reached on the planned path (``ProbeResult.never_written``).
+    never_written: list[str] = field(default_factory=list)
 
     def line(self) -> str:
         """The rank's log line."""
@@ -93,7 +97,7 @@ class ParameterListener(Protocol):
 def load_rank(model: nn.Module, path: str | list[str], config: FastloadConfig, *,
               device: torch.device | str = "cpu", rank: int = 0, world: int = 1,
               collectives: exchange.Collectives | None = None, show_progress: bool = False,
-              listener: ParameterListener | None = None) -> RankReport:
+              listener: ParameterListener | None = None, load_weights: LoadWeights | None = None) -> RankReport:
     """Fill ``model``'s parameters from the checkpoint at ``path`` (or exactly the files listed) as
     this rank's ``load_weights`` would.
 
@@ -102,26 +106,32 @@ def load_rank(model: nn.Module, path: str | list[str], config: FastloadConfig, *
     ``listener``: told which parameters are complete after each layer group, while later groups
     are still being read (only on the planned path; when every tensor goes through the model's
     ``load_weights`` it is told nothing). Time spent in it is the "post" phase.
+    ``load_weights``: what the engine's default loader calls with the checkpoint's tensors, where
+    that is not just ``model.load_weights`` (SGLang renames some tensors on the way); the probe
+    runs it on placeholders and the fallback on the real tensors, so both see what the engine does.
     """
     sharing = _Sharing(collectives)
+    load_weights = load_weights or model.load_weights
     try:
-        return _load(model, path, config, torch.device(device), rank, world, sharing, show_progress, listener)
+        return _load(model, path, config, torch.device(device), rank, world, sharing, show_progress, listener,
+                     load_weights)
     except BaseException:
         sharing.give_up()  # a rank that fails before agreeing still takes part (no-op after)
         raise
 
 
 def _load(model: nn.Module, path: str | list[str], config: FastloadConfig, device: torch.device, rank: int, world: int,
-          sharing: _Sharing, show_progress: bool, listener: ParameterListener | None) -> RankReport:
+          sharing: _Sharing, show_progress: bool, listener: ParameterListener | None,
+          load_weights: LoadWeights) -> RankReport:
     start = time.perf_counter()
     whole = whole_reads_config(config, world)
     open_kw = {"device": device, "show_progress": show_progress}
-    with vllm_fastload.FastCheckpoint(path, config=config if config.plan_per_rank else whole, **open_kw) as ckpt:
+    with FastCheckpoint(path, config=config if config.plan_per_rank else whole, **open_kw) as ckpt:
         cached = ckpt.cached_share()
         infos = {name: ckpt.info(name) for name in ckpt.keys()}
         sharing.decide(config, ckpt, infos, cached)
         tensors = {name: (shape_of(info), dtype_of(info)) for name, info in infos.items()}
-        probe = (probe_model(model, tensors) if config.plan_per_rank else
+        probe = (probe_model(model, tensors, load_weights) if config.plan_per_rank else
                  ProbeResult(unsupported=["plan_per_rank is false in the fastload config"]))
         probe_s = time.perf_counter() - start
         kept = None
@@ -132,11 +142,11 @@ def _load(model: nn.Module, path: str | list[str], config: FastloadConfig, devic
             logger.warning("fastload: reading every tensor in full through load_weights on rank %d: %s",
                            rank, probe.unsupported[0])
             if not config.plan_per_rank or whole is config:  # opened with ``whole`` already
-                loaded, summary = _load_through_model(model, ckpt)
+                loaded, summary = _load_through_model(model, ckpt, load_weights)
                 backend = ckpt.reader.name
             else:
-                with vllm_fastload.FastCheckpoint(path, config=whole, **open_kw) as again:
-                    loaded, summary = _load_through_model(model, again)
+                with FastCheckpoint(path, config=whole, **open_kw) as again:
+                    loaded, summary = _load_through_model(model, again, load_weights)
                     ckpt.last_stats, backend = again.last_stats, again.reader.name
             phases["read"] = time.perf_counter() - start - probe_s
         else:
@@ -163,10 +173,11 @@ def _load(model: nn.Module, path: str | list[str], config: FastloadConfig, devic
                       bytes_read=stats.bytes_read if stats else 0, bytes_kept=kept,
                       bytes_total=ckpt.checkpoint.total_bytes, backend=backend,
                       seconds=time.perf_counter() - start, summary=summary, paths=paths,
-                      phases=phases, cached=cached)
+                      phases=phases, cached=cached,
+                      never_written=[] if probe.unsupported else probe.never_written())
 
 
-def _load_planned(ckpt: vllm_fastload.FastCheckpoint, reads: RankReads, sharing: _Sharing,
+def _load_planned(ckpt: FastCheckpoint, reads: RankReads, sharing: _Sharing,
                   readiness: _Readiness | None) -> tuple[str, int]:
     """Read and replay; the summary, and how many tensors the row exchange delivered."""
     # Not advising huge pages on the parameters: measured in vLLM-CPU's worker (memory bound
@@ -214,7 +225,8 @@ def _load_planned(ckpt: vllm_fastload.FastCheckpoint, reads: RankReads, sharing:
     return summary, st.tensors
 
 
-def _load_through_model(model: nn.Module, ckpt: vllm_fastload.FastCheckpoint) -> tuple[set[str] | None, str]:
+def _load_through_model(model: nn.Module, ckpt: FastCheckpoint,
+                        load_weights: LoadWeights) -> tuple[set[str] | None, str]:
     current: list[str] = []
 
     def weights():
@@ -222,20 +234,20 @@ def _load_through_model(model: nn.Module, ckpt: vllm_fastload.FastCheckpoint) ->
             current[:] = [name]
             yield name, tensor
 
-    # vLLM copies each tensor into its parameter: where the reader has several CPUs, fresh
+    # The model copies each tensor into its parameter: where the reader has several CPUs, fresh
     # parameter pages are faulted in ahead of it on another thread, as the per-rank path does
     # before reading into them (on one CPU that thread would only take turns with the copies).
     several = reader_cpu_count(ckpt.config) > 1
     try:
         with Prefault((p.data for p in model.parameters()), cpus=ckpt.config.cpus) if several \
                 else contextlib.nullcontext():
-            loaded = model.load_weights(weights())
+            loaded = load_weights(weights())
     except CheckpointError:
         raise
     except Exception as exc:
         name = current[0] if current else None
         file = ckpt.info(name).file if name else ckpt.checkpoint.source
-        raise CheckpointError(f"vLLM could not load this checkpoint tensor into the model: "
+        raise CheckpointError(f"the model's load_weights could not load this checkpoint tensor: "
                               f"{type(exc).__name__}: {exc}", file=file, tensor=name) from exc
     return (set(loaded) if loaded is not None else None), "all tensors read whole through load_weights"
 
@@ -306,11 +318,11 @@ class _Sharing:
         self.collectives = collectives if collectives is not None and collectives.world > 1 else None
         self.pending = self.collectives is not None
         self.mode = "never"
-        self.ckpt: vllm_fastload.FastCheckpoint | None = None
+        self.ckpt: FastCheckpoint | None = None
         self.infos: dict = {}
         self.cached: float | None = None
 
-    def decide(self, config: FastloadConfig, ckpt: vllm_fastload.FastCheckpoint, infos: dict,
+    def decide(self, config: FastloadConfig, ckpt: FastCheckpoint, infos: dict,
                cached: float | None = None) -> None:
         """What this rank will offer, once the checkpoint is open (``cached``: the share of it in
         the page cache then)."""
@@ -378,7 +390,7 @@ def _machine() -> str:
 
 
 def _check_fully_written(probe: ProbeResult, path: str) -> None:
-    """Stricter than vLLM's name-level check: a stacked parameter (qkv, gate_up) must get every shard."""
+    """Stricter than the engines' name-level checks: a stacked parameter (qkv, gate_up) must get every shard."""
     partial = probe.partly_written()
     if partial:
         param, sources = next(iter(partial.items()))
@@ -391,7 +403,7 @@ def _check_fully_written(probe: ProbeResult, path: str) -> None:
 def _check_fully_used(probe: ProbeResult, infos: dict) -> None:
     """On a single rank every checkpoint tensor the model uses must be used whole.
 
-    vLLM's slicing loaders narrow whatever they get, so a k_proj with extra rows loads
+    The engines' slicing loaders narrow whatever they get, so a k_proj with extra rows loads
     silently with the default loader; on one rank, a partly used tensor can only be a shape
     mismatch. (With several ranks each uses a part by design, and no rank sees the others.)
     """

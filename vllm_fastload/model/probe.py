@@ -4,13 +4,13 @@ We feed ``model.load_weights`` a meta-device placeholder (right name, shape and 
 data) for every checkpoint tensor, under a ``TorchFunctionMode`` that intercepts the writes
 into parameters. A meta view keeps its storage offset and strides, so each intercepted
 ``copy_`` says exactly which region of which checkpoint tensor lands in which region of which
-parameter on *this* rank: vLLM's own code did the renaming, stacking, TP/PP/EP slicing,
+parameter on *this* rank: the engine's own code (vLLM's, SGLang's) did the renaming, stacking, TP/PP/EP slicing,
 kv-head replication and vocab padding, and we re-implemented none of it.
 
 Anything the probe cannot describe as "copy a view of one checkpoint tensor into a view of a
 parameter" (arithmetic on weights, ``param.data = ...``, a loader that looks at values, meta
 tensors left behind) makes ``ProbeResult.unsupported`` non-empty; the loader then reads every
-tensor in full and calls ``load_weights`` for real, exactly like vLLM's default loader.
+tensor in full and calls ``load_weights`` for real, exactly like the engine's default loader.
 """
 
 from __future__ import annotations
@@ -18,14 +18,18 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from vllm_fastload.vllm_plugin.geometry import Geometry, SlabView, affine
+from vllm_fastload.model.geometry import Geometry, SlabView, affine
+
+#: What a default loader calls with ``(checkpoint name, tensor)`` pairs to fill the model: its
+#: ``load_weights`` or an engine's wrapper of it; returns the parameter names loaded, if it says.
+LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], "Iterable[str] | None"]
 
 
 @dataclass
@@ -87,6 +91,13 @@ class ProbeResult:
     #: parameter -> elements written (copies and fills); writes never overlap (checked).
     covered: dict[str, int] = field(default_factory=dict)
     numel: dict[str, int] = field(default_factory=dict)
+    #: The model's parameters (one name per distinct memory, as indexed), buffers left out.
+    parameters: set[str] = field(default_factory=set)
+
+    def never_written(self) -> list[str]:
+        """Parameters no write of the checkpoint reached: for an engine whose default loader does
+        not check that every parameter came from the checkpoint (SGLang's)."""
+        return sorted(p for p in self.parameters if p not in self.covered)
 
     def partly_written(self) -> dict[str, list[str]]:
         """Parameters the checkpoint fills only in part -> the checkpoint tensors that did reach them."""
@@ -121,11 +132,14 @@ class _MemoryIndex:
         spans = []
         seen = set()
         self.numel: dict[str, int] = {}
-        for name, t in [*parameters, *buffers]:
+        self.parameters: set[str] = set()
+        for i, (name, t) in enumerate([*parameters, *buffers]):
             if t.is_meta or t.numel() == 0 or t.data_ptr() in seen:
                 continue
             seen.add(t.data_ptr())
             self.numel[name] = t.numel()
+            if i < len(parameters):
+                self.parameters.add(name)
             spans.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name))
         spans.sort()
         self._starts = [s[0] for s in spans]
@@ -410,6 +424,13 @@ class _Recorder(TorchFunctionMode):
             if any(isinstance(a, torch.Tensor) and a.is_meta for a in args[1:]):
                 self.result.unsupported.append(f"in-place {name} on {owner} uses checkpoint data")
                 return args[0]
+            source = self._checkpoint_holder((args[1:], kwargs))
+            if source is not None:
+                # Computed from what the checkpoint put in another tensor (Gemma's norm buffer =
+                # weight + 1): the placeholders never put those values there, so no replay would.
+                self.result.unsupported.append(f"{owner} is computed by {name} from the checkpoint data copied into "
+                                               f"{source} (a derived tensor)")
+                return func(*args, **kwargs)
             if name in ("fill_", "zero_", "copy_"):
                 # Known values written here now, and kept: a checkpoint copy may not overlap them.
                 self._claim(owner, args[0], f"{owner} is overwritten by {name} after checkpoint data was copied "
@@ -424,6 +445,16 @@ class _Recorder(TorchFunctionMode):
                 self._claim(owner, args[0][args[1]], f"{owner} is overwritten by item assignment after checkpoint "
                                                      "data was copied into it")
         return func(*args, **kwargs)
+
+    def _checkpoint_holder(self, objs) -> str | None:
+        """The model tensor among ``objs`` (real tensors) whose region holds checkpoint data, if any."""
+        for t in _tensors_in(objs):
+            if t.is_meta:
+                continue
+            owner = self.memory.owner(t)
+            if owner is not None and self._holds_checkpoint_data(owner, t):
+                return owner
+        return None
 
     def _holds_checkpoint_data(self, owner: str, dest: torch.Tensor) -> bool:
         region = _Region.of(dest, self.memory.start(owner))
@@ -453,8 +484,10 @@ class _Recorder(TorchFunctionMode):
         return True
 
 
-def probe_model(model: nn.Module, tensors: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> ProbeResult:
-    """Run ``model.load_weights`` over placeholders for ``tensors`` (name -> (shape, dtype))."""
+def probe_model(model: nn.Module, tensors: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+                load_weights: LoadWeights | None = None) -> ProbeResult:
+    """Run ``model.load_weights`` (or the engine's ``load_weights`` wrapper) over placeholders for
+    ``tensors`` (name -> (shape, dtype))."""
     result = ProbeResult()
     memory = _MemoryIndex(model)
     meta_before = set(memory.meta)
@@ -464,12 +497,13 @@ def probe_model(model: nn.Module, tensors: Mapping[str, tuple[tuple[int, ...], t
     recorder = _Recorder(placeholders, memory, result)
     try:
         with recorder:
-            loaded = model.load_weights(iter(placeholders.items()))
+            loaded = (load_weights or model.load_weights)(iter(placeholders.items()))
     except Exception as exc:
         result.unsupported.append(f"load_weights cannot run on placeholders: {type(exc).__name__}: {exc}")
         return result
     result.loaded_params = set(loaded) if loaded is not None else None
     result.numel = memory.numel  # after the probe: includes parameters registered during it
+    result.parameters = memory.parameters
     leftovers = [n for n in _tensors_of(model)[2] if n not in meta_before]
     if leftovers:
         result.unsupported.append(f"placeholders were kept by the model: {', '.join(leftovers[:5])}")

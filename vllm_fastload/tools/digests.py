@@ -7,9 +7,13 @@ module (not ``__main__``): ``llm.apply_model(parameter_digests)`` returns one di
 from __future__ import annotations
 
 import hashlib
+import os
+from typing import Any
 
 import torch
 from torch import nn
+
+from vllm_fastload.tensors import host_bytes
 
 
 def parameter_digests(model: nn.Module) -> dict[str, str]:
@@ -17,15 +21,28 @@ def parameter_digests(model: nn.Module) -> dict[str, str]:
     return _digests([*model.named_parameters(), *model.named_buffers()])
 
 
+#: Bytes from which the digests are taken on several threads (hashlib and the copies off a GPU
+#: release the GIL), so that a 16 GB model's are not a minute's work on one.
+_PARALLEL_BYTES = 64 << 20
+
+
 def _digests(named: list[tuple[str, torch.Tensor]]) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for name, t in named:
-        data = t.detach().contiguous().cpu()
-        h = hashlib.sha256(f"{data.dtype}{tuple(data.shape)}".encode())
-        if data.numel():
-            h.update(data.reshape(-1).view(torch.uint8).numpy().tobytes())
-        out[name] = h.hexdigest()
-    return out
+    total = sum(t.numel() * t.element_size() for _, t in named)
+    if total < _PARALLEL_BYTES or len(named) < 2:
+        return dict(map(_digest, named))
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+        return dict(pool.map(_digest, named))
+
+
+def _digest(item: tuple[str, torch.Tensor]) -> tuple[str, str]:
+    name, t = item
+    data = t.detach().contiguous().cpu()
+    h = hashlib.sha256(f"{data.dtype}{tuple(data.shape)}".encode())
+    if data.numel():
+        h.update(host_bytes(data.reshape(-1).view(torch.uint8)))  # the buffer itself, not a copy of it
+    return name, h.hexdigest()
 
 
 def digests_before_post_processing(model: nn.Module, out: dict[str, str]) -> None:
@@ -40,7 +57,7 @@ def digests_before_post_processing(model: nn.Module, out: dict[str, str]) -> Non
         _digest_on_first_step(method, prefix, module, out)
 
 
-def _digest_on_first_step(method: object, prefix: str, module: nn.Module, out: dict[str, str]) -> None:
+def _digest_on_first_step(method: Any, prefix: str, module: nn.Module, out: dict[str, str]) -> None:
     seen: dict[int, tuple[str, nn.Module]] | None = method.__dict__.get("_digest_modules")
     if seen is None:
         original = method.process_weights_after_loading

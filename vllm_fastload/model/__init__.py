@@ -1,0 +1,14 @@
+"""Loading one rank of a model, for any engine whose layers slice with their own weight loaders.
+
+What the engine adapters (``vllm_plugin``, ``sglang_plugin``) share, knowing neither engine:
+
+- ``probe``: run the model's ``load_weights`` on placeholders and record every write, so the
+  engine's own code says which bytes of which checkpoint tensor land where on this rank;
+- ``geometry`` and ``reads``: from those writes to the fewest bytes to read, and back;
+- ``rank``: open, probe, plan, read (layer events, progress bar, row exchange at TP>1), replay,
+  or read everything whole through ``load_weights`` where the probe cannot describe the model;
+- ``early``: read the checkpoint into the page cache while the engine starts.
+
+What differs between engines (the model's construction, the distributed groups, the completeness
+check, the default loader to fall back to) is passed in by the adapter.
+"""

@@ -1,0 +1,166 @@
+"""Early reads: start reading the checkpoint while the engine starts, not when a rank asks for it.
+
+An engine's start spends tens of seconds (imports, processes, distributed set-up, the model's
+construction) before any rank loads weights; meanwhile the disk sits idle. The process that parses
+the engine's arguments knows the checkpoint long before that, but not the model, so not the
+per-rank plan: it asks the kernel to read every file of a local checkpoint into the page cache (the
+node's ranks share it), in a process of its own and on CPU time nothing else wants, where the checkpoint
+fits in half of the memory available (``early_reads``: by default on local filesystems).
+The rank's load then finds the pages cached and copies them out. The reads stop when the first
+rank's load begins (it reads what is missing itself), and the files stay mapped in the reading
+process until every rank of this node has loaded (each leaves marks, see ``load_begins`` and
+``load_ends``) or ``HOLD_S`` has passed, so that a host reclaiming idle page cache does not take
+them first; then the reading process unmaps them and ends (it also ends with the process that
+started it). A failure here is logged, never raised.
+
+Engine-independent: each adapter calls ``start`` where its engine has its configuration (vLLM:
+``vllm_plugin.early``; SGLang: ``sglang_plugin``) and ``load_begins``/``load_ends`` around its load.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any
+
+logger = logging.getLogger("vllm_fastload")
+
+#: The share of the memory available at start-up that early reads may fill with page cache.
+MEMORY_SHARE = 0.5
+#: Set in the environment of the process that started early reads, so that the processes it
+#: starts (the engine's workers, which may verify the config again) do not read twice.
+STARTED_ENV = "_FASTLOAD_EARLY_READS"
+#: Also inherited: the directory in which each rank's load leaves its marks as it begins and ends.
+MARKS_ENV = "_FASTLOAD_EARLY_READS_MARKS"
+#: The longest the files stay mapped after they were read, if not every rank leaves its mark
+#: (a start that failed, ranks on other nodes).
+HOLD_S = 600.0
+
+
+def start(path: str, extra: dict[str, Any], local_ranks: int, engine: str, *, revision: str | None = None,
+          download_dir: str | None = None) -> None:
+    """Read the checkpoint at ``path`` into the page cache for the ``local_ranks`` ranks that will
+    load it on this node (``extra``: fastload's options as the engine received them), once per
+    path in a process tree. ``engine`` names the engine in the log line; ``revision`` and
+    ``download_dir`` are the engine's, for a Hugging Face id (see ``files_to_read``)."""
+    from vllm_fastload.sources.hub import NotCachedError
+
+    try:
+        _start(path, extra, local_ranks, engine, revision, download_dir)
+    except NotCachedError as exc:
+        logger.info("fastload: no early reads: %s; %s downloads it and fastload reads it at load time", exc, engine)
+    except Exception as exc:  # best effort: the loader reads at load time regardless
+        logger.info("fastload: no early reads (%s: %s)", type(exc).__name__, exc)
+
+
+def _start(path: str, extra: dict[str, Any], local_ranks: int, engine: str, revision: str | None,
+           download_dir: str | None) -> None:
+    from vllm_fastload.sources.readahead import LoadMarks, available_memory, read_ahead
+
+    if os.environ.get(STARTED_ENV) == path or _is_rank() or local_ranks < 1:
+        return  # decided already, a rank itself, or no rank loads on this node (a front end without engines)
+    # Decided once per model in a process tree, whatever the outcome: the processes the engine starts
+    # from here may verify its configuration again, by then perhaps while the load is under way.
+    os.environ[STARTED_ENV] = path
+    files = files_to_read(path, extra, revision=revision, download_dir=download_dir)
+    if not files:
+        return
+    marks = LoadMarks(local_ranks)  # removed when the reads end, or at this process's exit
+    os.environ[MARKS_ENV] = marks.directory
+    reads = None
+    try:
+        reads = read_ahead(files, limit=int(available_memory() * MEMORY_SHARE), hold=marks, hold_s=HOLD_S)
+    finally:
+        if reads is None:
+            marks.remove()
+            os.environ.pop(MARKS_ENV, None)
+    if reads is not None:
+        source = "" if os.path.isdir(path) else f" of {path} (its cached snapshot {_snapshot_of(files[0])})"
+        logger.info("fastload: early reads: %d checkpoint files (%.2f GB)%s into the page cache while %s starts",
+                    len(files), sum(os.path.getsize(f) for f in files) / 1e9, source, engine)
+
+
+def files_to_read(path: str, extra: dict[str, Any], *, revision: str | None = None,
+                  download_dir: str | None = None) -> list[str]:
+    """The checkpoint files to read early for a model at ``path`` loaded with fastload's ``extra``
+    config (the environment's ``FASTLOAD_*`` under it); none where early reads are off, and with
+    'auto' none on a network filesystem.
+
+    A Hugging Face id (``org/name``) is its snapshot at ``revision`` in the local cache (or
+    ``download_dir``), resolved without the network as the engine's download step will resolve it;
+    ``NotCachedError`` where the cache lacks it. Where the Hub has a newer revision, vLLM's config
+    step has already fetched its ``config.json`` and moved the cache's ref to it, so its snapshot
+    lacks the weights: no early reads, and the load reads that revision once it is downloaded.
+    Early reads only warm the page cache; the load reads whatever the download step hands it."""
+    from vllm_fastload.checkpoint import Checkpoint
+    from vllm_fastload.config import FastloadConfig
+    from vllm_fastload.errors import MissingFileError
+    from vllm_fastload.sources import fstype, hub, is_remote
+
+    if is_remote(path):
+        return []  # an object store: nothing on this node's disks to read ahead
+    if not os.path.isdir(path) and not hub.is_repo_id(path):
+        return []
+    mode = FastloadConfig.from_env(**extra).early_reads
+    if mode == "never":
+        return []
+    if os.path.isdir(path):
+        ckpt = Checkpoint.discover(path)
+    else:
+        snapshot = hub.cached_snapshot(path, revision=revision, cache_dir=download_dir)
+        try:
+            ckpt = Checkpoint.discover(snapshot)
+        except MissingFileError as exc:  # e.g. vLLM fetched a newer revision's config.json, not its weights yet
+            raise hub.NotCachedError(f"the cached snapshot of {path} at revision {revision or 'main'} lacks "
+                                     f"weight files ({exc.reason})") from None
+    files = sorted(ckpt.files)
+    ckpt.close()
+    if mode == "auto" and not all(_local(fstype.filesystem_type(f)) for f in files):
+        return []
+    return files
+
+
+def _snapshot_of(file: str) -> str:
+    """The commit a file of a Hugging Face cache snapshot belongs to (``snapshots/<commit>/...``), shortened."""
+    parts = file.split(os.sep)[:-1]
+    if "snapshots" not in parts:
+        return os.path.dirname(file)
+    return parts[len(parts) - parts[::-1].index("snapshots")][:12]
+
+
+def _local(filesystem: str) -> bool:
+    """Whether ``auto`` reads early on this filesystem type: not on network filesystems, nor on
+    FUSE mounts (most of them fetch from a network or an object store)."""
+    from vllm_fastload.sources import fstype
+
+    return not fstype.is_network(filesystem) and not filesystem.startswith("fuse")
+
+
+def load_begins() -> None:
+    """Called by the loader as this rank's load begins: early reads stop reading (the load reads
+    the rest itself) and hold what they read."""
+    _mark(ended=False)
+
+
+def load_ends() -> None:
+    """Called by the loader when this rank's load ends (done or failed): the early reads it was
+    started for need not stay mapped for it any longer."""
+    _mark(ended=True)
+
+
+def _mark(*, ended: bool) -> None:
+    directory = os.environ.get(MARKS_ENV)
+    if directory:
+        from vllm_fastload.sources.readahead import mark_load
+
+        mark_load(directory, ended=ended)
+
+
+def _is_rank() -> bool:
+    """Whether this process already is a rank of a distributed group (``vllm-fastload verify``'s
+    rank processes build each config right before loading it): its load is next, there is no
+    start-up to overlap with, and no other process would leave the marks the hold waits for."""
+    torch = sys.modules.get("torch")
+    distributed = getattr(torch, "distributed", None)
+    return bool(distributed is not None and distributed.is_available() and distributed.is_initialized())

@@ -1,0 +1,63 @@
+"""SGLang integration: ``register()`` is the ``sglang.srt.plugins`` entry point.
+
+SGLang's ``load_plugins()`` runs every entry point of that group, then applies the hooks they
+registered, in each process it starts that may need them: the launching process
+(``sglang.launch_server``, ``sglang serve``, ``sglang.Engine``) and every scheduler process, which
+is where each tensor-parallel rank builds and loads the model. So ``--load-format fastload`` is
+accepted where the arguments are parsed and loads with fastload where the weights are loaded.
+``SGLANG_PLUGINS``, where set, must name ``fastload``.
+
+``register`` must be cheap and idempotent, and must never stop an SGLang that does not load with
+fastload: it only warns where it cannot register (``--load-format fastload`` is then refused by
+SGLang as an invalid choice); the loader, once chosen, stops over anything else missing.
+"""
+
+from __future__ import annotations
+
+LOAD_FORMAT = "fastload"
+_registered = False
+
+
+def register() -> None:
+    """Accept ``--load-format fastload`` and route it to ``FastloadModelLoader`` (idempotent); start
+    early reads where SGLang resolves its arguments."""
+    global _registered
+    if _registered:
+        return
+    from vllm_fastload.sglang_plugin import compat
+
+    compat.note_release()
+    missing = compat.missing_interfaces(compat.REGISTRATION)
+    if missing:
+        compat.logger.warning("fastload: cannot register --load-format %s on SGLang %s: it lacks %s", LOAD_FORMAT,
+                              compat.sglang_version(), ", ".join(missing))
+        return
+    _registered = True
+    compat.accept_load_format(LOAD_FORMAT, _loader_class)
+    compat.on_server_args(LOAD_FORMAT, _start_early_reads)
+
+
+def _loader_class() -> type:
+    from vllm_fastload.sglang_plugin.loader import FastloadModelLoader
+
+    return FastloadModelLoader
+
+
+def _start_early_reads(server_args: object) -> None:
+    """Early reads (``model.early``) from the process that resolved SGLang's arguments."""
+    from vllm_fastload.model import early
+    from vllm_fastload.sglang_plugin import compat
+
+    try:
+        path = str(server_args.model_path)
+        extra = server_args.model_loader_extra_config or {}
+        if isinstance(extra, str):
+            import json
+
+            extra = json.loads(extra)
+        ranks = compat.local_ranks(server_args)
+    except Exception as exc:  # best effort: the loader reads at load time regardless
+        early.logger.info("fastload: no early reads (%s: %s)", type(exc).__name__, exc)
+        return
+    early.start(path, extra, ranks, "SGLang", revision=getattr(server_args, "revision", None),
+                download_dir=getattr(server_args, "download_dir", None))
