@@ -101,10 +101,30 @@ def rank_main(rank: int, tp: int, port: int, out_dir: str, paths: list[str], mod
               more: dict | None = None) -> None:
     """One rank: SGLang's distributed state once, then every checkpoint in every mode; results go
     to ``out_dir/rank{rank}.json`` after each checkpoint (a crash keeps what was done)."""
+    device = setup_rank(rank, tp, port)
+    try:
+        _load_all(rank, out_dir, paths, modes, dtype, device, more)
+    finally:
+        teardown_rank()
+
+
+def teardown_rank() -> None:
+    """SGLang's parallel groups destroyed: rank 0 then unlinks the shared-memory queue they hold,
+    which otherwise outlives the rank (Python's resource tracker reports it as leaked)."""
+    import gc
+
+    from sglang.srt.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+    destroy_model_parallel()
+    destroy_distributed_environment()
+    gc.collect()
+
+
+def _load_all(rank: int, out_dir: str, paths: list[str], modes: dict, dtype: str, device: str,
+              more: dict | None) -> None:
     import json
     import traceback
 
-    device = setup_rank(rank, tp, port)
     results: dict = {}
     for path in paths:
         entry: dict = {}
