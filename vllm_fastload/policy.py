@@ -246,7 +246,7 @@ def filesystem_defaults(*, network: bool, set_fields: Collection[str]) -> dict[s
     return {k: v for k, v in NETWORK_DEFAULTS.items() if k not in set_fields}
 
 
-def backend(setting: BackendSetting, device_type: str, *, remote: bool, gds_live: Callable[[], bool]) -> Backend:
+def backend(setting: BackendSetting, device: str, *, remote: bool, gds_live: Callable[[], bool]) -> Backend:
     """The reader backend for a device.
 
     ``auto``: host memory -> host; a GPU -> kvikio only where GPUDirect Storage is live (without
@@ -255,7 +255,7 @@ def backend(setting: BackendSetting, device_type: str, *, remote: bool, gds_live
 
     Args:
         setting: the ``backend`` setting.
-        device_type: ``"cpu"`` or ``"cuda"``.
+        device: where the tensors go, as torch names it (``"cpu"``, ``"cuda:0"``).
         remote: the checkpoint is in an object store.
         gds_live: asked only where the answer matters (it imports kvikio).
 
@@ -265,12 +265,13 @@ def backend(setting: BackendSetting, device_type: str, *, remote: bool, gds_live
     Raises:
         ValueError: the setting cannot read into this device or this source.
     """
+    device_type = device.split(":")[0]
     if device_type == "cpu":
         if setting not in ("auto", "host"):
-            raise ValueError(f"backend {setting!r} needs a CUDA device; device is {device_type}")
+            raise ValueError(f"backend {setting!r} needs a CUDA device; device is {device}")
         return "host"
     if device_type != "cuda":
-        raise ValueError(f"unsupported device {device_type}; fastload reads into 'cpu' or 'cuda' memory")
+        raise ValueError(f"unsupported device {device}; fastload reads into 'cpu' or 'cuda' memory")
     if setting == "host":
         raise ValueError("backend 'host' reads into host memory; use device='cpu' or backend 'cuda'")
     if setting == "kvikio" and remote:

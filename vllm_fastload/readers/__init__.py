@@ -21,7 +21,7 @@ def select_backend(config: FastloadConfig, device: torch.device, *, remote: bool
 
         return gds_available()
 
-    return policy.backend(config.backend, device.type, remote=remote, gds_live=gds_live)
+    return policy.backend(config.backend, str(device), remote=remote, gds_live=gds_live)
 
 
 def make_reader(config: FastloadConfig, device: torch.device | str, *, remote: bool = False) -> Reader:
