@@ -1,6 +1,8 @@
 """``host``: threaded reads straight into host memory (the GIL is released during reads).
 
-Each chunk goes one of two ways, decided by a cheap probe of the page cache:
+How each chunk is read is ``policy.chunk_read``'s decision, from probes of the page cache that
+this module makes (``cached_calls``, ``_has_holes``) and whether the file opens with O_DIRECT;
+in short:
 - cached: ``preadv`` copies out of the page cache (row slices: a strided copy out of a mapping of
   the file, see ``mapped``), on no more threads than CPUs (it is CPU work);
 - not cached: ``O_DIRECT`` reads into reused per-thread buffers and one copy into the
