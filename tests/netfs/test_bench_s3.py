@@ -46,7 +46,7 @@ def test_ranks_are_counted_by_their_own_proxy(s3bench, monkeypatch) -> None:
     assert s3bench.sample_limit() > 0 and s3bench.server_files()
     for key, value in s3bench.env(2).items():
         monkeypatch.setenv(key, value)
-    assert os.environ["FASTLOAD_BENCH_ENDPOINTS"].split(",")[1] == s3bench.rank_proxies[1].url
+    assert os.environ["FASTLOAD_DEV_BENCH_ENDPOINTS"].split(",")[1] == s3bench.rank_proxies[1].url
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3bench.rank_proxies[1].url)  # what the worker hook does on rank 1
     for proxy in (s3bench.shared, *s3bench.rank_proxies):
         proxy.take()

@@ -3,7 +3,7 @@ processes that set up its distributed state the way its scheduler processes do
 (``vllm_fastload.tools.sglang_ranks``), against SGLang's ``DefaultModelLoader``.
 
 These tests run in the SGLang environment that scripts/test.sh builds (scripts/setup.sh with
-FASTLOAD_SGLANG); in an environment without SGLang they are deselected, and the run says so.
+FASTLOAD_DEV_SGLANG); in an environment without SGLang they are deselected, and the run says so.
 
 Two test-only stubs stand in for what cannot be installed on this machine (tests/sglang/stubs, put
 on ``PYTHONPATH`` for every process these tests start): SGLang's CPU kernels (``sgl_kernel``,

@@ -5,11 +5,11 @@ import os
 
 
 def record_layer(event) -> None:
-    """on_layer_ready callback: append the event to $FASTLOAD_TEST_EVENTS.<rank>."""
+    """on_layer_ready callback: append the event to $FASTLOAD_DEV_TEST_EVENTS.<rank>."""
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_initialized() else 0
-    with open(f"{os.environ['FASTLOAD_TEST_EVENTS']}.{rank}", "a") as f:
+    with open(f"{os.environ['FASTLOAD_DEV_TEST_EVENTS']}.{rank}", "a") as f:
         f.write(json.dumps({"layer": event.layer, "name": event.name, "tensors": event.tensors,
                             "bytes": event.bytes, "elapsed_s": event.elapsed_s,
                             "layers_done": event.layers_done, "layers_total": event.layers_total}) + "\n")

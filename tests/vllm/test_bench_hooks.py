@@ -284,7 +284,7 @@ def test_only_the_benchmark_installs_its_timers(installed: bool, tmp_path: Path)
     import sys
 
     site = Path(bench.__file__).parent / "site"
-    env = {**os.environ, "FASTLOAD_BENCH_DIR": str(tmp_path)}
+    env = {**os.environ, "FASTLOAD_DEV_BENCH_DIR": str(tmp_path)}
     if installed:
         env["PYTHONPATH"] = os.pathsep.join([str(site), env.get("PYTHONPATH", "")])
     out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, env=env, timeout=300)

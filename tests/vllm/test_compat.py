@@ -20,10 +20,10 @@ pytestmark = pytest.mark.vllm
 
 @pytest.mark.core
 def test_the_running_vllm_is_a_supported_release():
-    """scripts/test.sh names the release each environment must hold (FASTLOAD_TEST_VLLM), so an
+    """scripts/test.sh names the release each environment must hold (FASTLOAD_DEV_TEST_VLLM), so an
     environment that silently resolved another vLLM fails here."""
     assert compat.is_supported(vllm.__version__), vllm.__version__
-    expected = os.environ.get("FASTLOAD_TEST_VLLM")
+    expected = os.environ.get("FASTLOAD_DEV_TEST_VLLM")
     if expected:
         assert vllm.__version__ == expected
     assert compat.missing_interfaces() == []

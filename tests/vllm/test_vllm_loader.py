@@ -60,7 +60,7 @@ def test_fastload_equals_default_loader(arch, tp, checkpoints, scenarios, tmp_pa
         # The same run also proves user callbacks named by string fire on every rank, and only
         # once a layer's exchanged columns have arrived (the digests below are taken after).
         extra = {**extra, "on_layer_ready": "hooks:record_layer"}
-        env = {"FASTLOAD_TEST_EVENTS": str(tmp_path / "events")}
+        env = {"FASTLOAD_DEV_TEST_EVENTS": str(tmp_path / "events")}
     if cold or with_events:  # with_events: early reads (on by default) read it all again before the load
         evict(sorted(str(p) for p in checkpoints[arch].glob("*.safetensors")))
     fast = scenarios.get(arch, checkpoints[arch], "fastload", tp, extra=extra, env=env)

@@ -449,7 +449,7 @@ def step_generate(model: str, device: str, shapes: Shapes, work: Path, clock: Cl
         spec = {"model": model, "load_format": load_format, "device": device, "max_tokens": shapes.max_tokens,
                 "kv_cache_bytes": shapes.kv_cache_bytes, "vocab": shapes.big.vocab, "out": str(probe / "result.json")}
         cold = make_cold(_files(model), device)
-        env = _vllm_env(device, FASTLOAD_BENCH_DIR=str(probe))
+        env = _vllm_env(device, FASTLOAD_DEV_BENCH_DIR=str(probe))
         # worker_hooks (via bench/site) record load_model, load_weights and fastload's phases in the engine.
         env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent / "site"), env.get("PYTHONPATH", "")])
         started = time.time()

@@ -76,7 +76,7 @@ class S3Bench:
 
     def env(self, tp: int) -> dict[str, str]:
         return {**objstore.s3_env(self.shared.url),
-                "FASTLOAD_BENCH_ENDPOINTS": ",".join(p.url for p in self.rank_proxies[:tp])}
+                "FASTLOAD_DEV_BENCH_ENDPOINTS": ",".join(p.url for p in self.rank_proxies[:tp])}
 
     def run(self, name: str, tp: int, start: Callable[[str, dict[str, str]], dict]) -> dict:
         """One start of loader ``name``: ``start(model, env)`` with the URI, or with a fresh local

@@ -18,7 +18,7 @@ def main() -> None:
         dtype="bfloat16", skip_tokenizer_init=True, distributed_executor_backend="mp" if tp > 1 else None,
         **kwargs)
     # The engine is constructed: ready to serve (wall clock, compared with the bench's start time).
-    out = os.environ.get("FASTLOAD_BENCH_DIR")
+    out = os.environ.get("FASTLOAD_DEV_BENCH_DIR")
     if out:
         with open(os.path.join(out, "ready.json"), "w") as f:
             json.dump({"ready_at": time.time()}, f)

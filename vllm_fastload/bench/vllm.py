@@ -131,7 +131,7 @@ def run_once(model: str, loader: str, tp: int, work: Path, cache: str = "", env_
     probe_dir = Path(tempfile.mkdtemp(dir=work))
     cmd = [sys.executable, "-m", "vllm_fastload.bench.start_vllm", model, load_format, str(tp),
            json.dumps(extra) if extra else "", json.dumps(LLM_KWARGS.get(loader, {}))]
-    env = vllm_env(tp, FASTLOAD_BENCH_DIR=str(probe_dir), FASTLOAD_PROGRESS="false", FASTLOAD_BENCH_CACHE=cache,
+    env = vllm_env(tp, FASTLOAD_DEV_BENCH_DIR=str(probe_dir), FASTLOAD_PROGRESS="false", FASTLOAD_DEV_BENCH_CACHE=cache,
                    **(env_extra or {}))
     # The timers (worker_hooks) are installed by this folder's sitecustomize in every vLLM process.
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent / "site"), env.get("PYTHONPATH", "")])

@@ -1,4 +1,4 @@
-"""Benchmark instrumentation inside vLLM's worker processes (active only with FASTLOAD_BENCH_DIR set).
+"""Benchmark instrumentation inside vLLM's worker processes (active only with FASTLOAD_DEV_BENCH_DIR set).
 
 Wraps ``load_weights`` of every registered loader to record, per rank: seconds, bytes the
 process read (``/proc/self/io``), RSS before and peak RSS after; and vLLM's
@@ -76,9 +76,9 @@ def _timed(cls, out_dir: Path):
 
 #: Comma-separated endpoint URLs, one per rank: each rank's object store requests go to its own
 #: counting proxy, so the bytes each rank was served are counted on the server side.
-ENDPOINTS_ENV = "FASTLOAD_BENCH_ENDPOINTS"
+ENDPOINTS_ENV = "FASTLOAD_DEV_BENCH_ENDPOINTS"
 #: "warm" or "cold": the page-cache state the benchmark wants at the moment load_weights starts.
-CACHE_ENV = "FASTLOAD_BENCH_CACHE"
+CACHE_ENV = "FASTLOAD_DEV_BENCH_CACHE"
 
 
 def _set_cache_state(cache: str | None, model_config, rank: int) -> None:

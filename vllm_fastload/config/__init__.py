@@ -8,9 +8,10 @@ is the worst kind of tuning bug.
 The environment is read by pydantic-settings: ``FASTLOAD_<FIELD>`` for every field and
 ``FASTLOAD_REMOTE__<FIELD>`` for the nested object store settings. On top of what
 pydantic-settings does by itself, ``FastloadEnv`` keeps the project's own rules: every
-``FASTLOAD_*`` variable must mean something (a typo is an error listing the known names, the
-switches in ``SWITCHES`` are not config), a value is JSON if it parses as JSON and text
-otherwise (``8``, ``false``, ``null``, ``64MiB``, ``a.b:c,d:e``), and ``.env`` files are not read.
+``FASTLOAD_*`` variable must mean something (a typo is an error listing the known names;
+``FASTLOAD_TGI`` and ``FASTLOAD_DEV_*``, the scripts' and tests' own, are not config), a value
+is JSON if it parses as JSON and text otherwise (``8``, ``false``, ``null``, ``64MiB``,
+``a.b:c,d:e``), and ``.env`` files are not read.
 """
 
 from __future__ import annotations
@@ -38,10 +39,16 @@ from vllm_fastload.policy import BackendSetting, Mode
 ENV_PREFIX = "FASTLOAD_"
 #: Separates a nested field in a variable's name: ``FASTLOAD_REMOTE__TIMEOUT_S=10``.
 ENV_NESTED = "__"
-#: Variables with our prefix that are switches of the project's scripts and adapters, not config fields.
-SWITCHES = frozenset({"FASTLOAD_TGI", "FASTLOAD_BENCH_DIR", "FASTLOAD_BENCH_CACHE", "FASTLOAD_BENCH_ENDPOINTS",
-                      "FASTLOAD_TEST_EVENTS", "FASTLOAD_TEST_NO_SKIPS", "FASTLOAD_TEST_VLLM", "FASTLOAD_VENV",
-                      "FASTLOAD_VLLM"})
+#: Variables with our prefix that are not config: the TGI patch's on-switch, and everything under
+#: ``DEV_PREFIX``, which belongs to the project's own scripts, tests and benchmarks.
+SWITCHES = frozenset({"FASTLOAD_TGI"})
+DEV_PREFIX = "FASTLOAD_DEV_"
+
+
+def is_config_variable(name: str) -> bool:
+    """Whether the loader reads environment variable ``name`` as a config field (and refuses it if unknown)."""
+    return name.startswith(ENV_PREFIX) and name not in SWITCHES and not name.startswith(DEV_PREFIX)
+
 
 LayerCallback = Callable[..., Any]
 
@@ -252,7 +259,8 @@ class FastloadEnv(EnvSettingsSource):
     """pydantic-settings' environment source with fastload's rules (see the module docstring).
 
     Only variables that start with ``FASTLOAD_`` (in capitals, like every variable we document)
-    are seen, minus the ``SWITCHES``; the rest of the name is case-blind, as field names are lower case.
+    are seen, minus those that are not config (``is_config_variable``); the rest of the name is
+    case-blind, as field names are lower case.
     """
 
     def __init__(self, settings_cls: type[BaseSettings], environ: Mapping[str, str] | None = None) -> None:
@@ -262,8 +270,7 @@ class FastloadEnv(EnvSettingsSource):
         if environ is None:
             environ = os.environ
         #: The variables as the user wrote them, for checking their names.
-        self.variables = {name: value for name, value in environ.items()
-                          if name.startswith(ENV_PREFIX) and name not in SWITCHES}
+        self.variables = {name: value for name, value in environ.items() if is_config_variable(name)}
         # What pydantic-settings matches against ``FASTLOAD_`` + field name (+ ``__`` + nested field name).
         self.env_vars = {ENV_PREFIX + name[len(ENV_PREFIX):].lower(): value for name, value in self.variables.items()}
 

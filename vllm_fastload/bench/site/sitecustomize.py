@@ -4,7 +4,7 @@ vLLM loads its plugins. The loader itself never imports benchmark code."""
 
 import os
 
-if os.environ.get("FASTLOAD_BENCH_DIR"):
+if os.environ.get("FASTLOAD_DEV_BENCH_DIR"):
     import vllm.plugins as _plugins
 
     _load_general_plugins = _plugins.load_general_plugins
@@ -13,6 +13,6 @@ if os.environ.get("FASTLOAD_BENCH_DIR"):
         _load_general_plugins()
         from vllm_fastload.bench.worker_hooks import install
 
-        install(os.environ["FASTLOAD_BENCH_DIR"])
+        install(os.environ["FASTLOAD_DEV_BENCH_DIR"])
 
     _plugins.load_general_plugins = load_general_plugins
