@@ -23,25 +23,7 @@ sglang="${FASTLOAD_DEV_SGLANG:-}"
 if [ -n "$sglang" ]; then flavour=sglang
 elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then flavour=gpu; else flavour=cpu; fi
 
-# A hard-linked copy of the environment $1 at $2: pip replaces a file by unlinking it first, so an
-# install in one never writes into the other. bin/ and pyvenv.cfg are made anew for $2 (they name
-# their environment); scripts in bin/ are copied with their first line pointing at $2's python,
-# programs are linked.
-link_copy() {
-  cp -al "$1" "$2" || return 1
-  rm -rf "$2/bin" "$2/pyvenv.cfg" "$2/.fastload-setup"
-  "$python" -m venv --without-pip "$2" || return 1
-  local f name
-  for f in "$1"/bin/*; do
-    name="${f##*/}"
-    [ -e "$2/bin/$name" ] || [ ! -f "$f" ] && continue
-    if [ "$(head -c 2 "$f")" = "#!" ]; then
-      sed "1s|^#!$1/bin/|#!$2/bin/|" "$f" > "$2/bin/$name" && chmod +x "$2/bin/$name" || return 1
-    else
-      ln "$f" "$2/bin/$name" || return 1
-    fi
-  done
-}
+source "$root/scripts/venv-copy.sh"  # link_copy
 
 # Uninstalls from $venv what a fresh install of "$@" would not bring (what the copied environment's
 # vLLM needed and this one does not), before pip installs over it: a package left behind could

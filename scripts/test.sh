@@ -17,6 +17,7 @@ scripts/setup-netsources.sh
 python -m ruff check vllm_fastload tgi_patch tests examples
 lint-imports  # the layers and forbidden imports in pyproject.toml
 python -m mypy  # the type check ([tool.mypy] in pyproject.toml says what it covers and leaves out)
+bash scripts/check-wheel.sh  # the wheel, installed beside vLLM: entry points, --version, the TGI hook
 python -m pytest -rs --durations=20 "$@"
 if [ $# -gt 0 ]; then
   echo "tests chosen by arguments: the runs against vLLM $OLDEST_VLLM and SGLang $SGLANG are left out (scripts/test.sh without arguments runs them)"

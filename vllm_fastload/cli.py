@@ -198,7 +198,10 @@ def _add_bench(sub: Any) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from vllm_fastload import __version__
+
     parser = argparse.ArgumentParser(prog="vllm-fastload", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"vllm-fastload {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_plan(sub)
     _add_demo(sub)
