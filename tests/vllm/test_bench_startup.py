@@ -12,14 +12,13 @@ import sys
 import pytest
 
 from vllm_fastload.tools.checkpoints import write_checkpoint
-from vllm_fastload.tools.demo import DEMO_SPEC
 from vllm_fastload.tools.vllm_server import vllm_env
 
 pytestmark = pytest.mark.vllm
 
 
 def test_vllm_bench_startup_runs_with_the_fastload_load_format(tmp_path):
-    model = write_checkpoint(tmp_path / "model", DEMO_SPEC, files=2)
+    model = write_checkpoint(tmp_path / "model", "demo", files=2)
     out = tmp_path / "startup.json"
     cmd = [sys.executable, "-m", "vllm_fastload.bench.vllm_startup", "--model", str(model),
            "--load-format", "fastload", "--dtype", "bfloat16", "--max-model-len", "128", "--enforce-eager",

@@ -132,9 +132,8 @@ def test_early_reads_start_where_vllm_builds_its_config_not_in_a_rank(tmp_path, 
     next (``vllm-fastload verify`` builds a config per checkpoint in its ranks; reading there left a
     thread holding the files for minutes per checkpoint, waiting for marks no other rank leaves)."""
     from vllm_fastload.tools.checkpoints import write_checkpoint
-    from vllm_fastload.tools.demo import DEMO_SPEC
 
-    path = write_checkpoint(tmp_path / "demo", DEMO_SPEC, files=2)
+    path = write_checkpoint(tmp_path / "demo", "demo", files=2)
     script = tmp_path / "config.py"
     script.write_text(_EARLY_READS)
     out = subprocess.run([sys.executable, str(script), str(path), process], capture_output=True, text=True,

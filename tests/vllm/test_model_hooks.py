@@ -16,7 +16,6 @@ from torch import nn
 
 from vllm_fastload.errors import CheckpointError, MissingFileError, OutsideCheckpointError
 from vllm_fastload.tools.checkpoints import write_checkpoint
-from vllm_fastload.tools.demo import DEMO_SPEC
 from vllm_fastload.vllm_plugin import compat
 
 pytestmark = [pytest.mark.vllm, pytest.mark.core]
@@ -60,7 +59,7 @@ def _tensor(seed: int) -> torch.Tensor:
 
 def _write(root: Path, shards: dict[str, dict[str, torch.Tensor]], index: bool = True) -> Path:
     """A checkpoint directory with the demo model's config.json (for vLLM's ModelConfig) and these shards."""
-    config = write_checkpoint(root.parent / f".{root.name}-config", DEMO_SPEC, files=1) / "config.json"
+    config = write_checkpoint(root.parent / f".{root.name}-config", "demo", files=1) / "config.json"
     root.mkdir(parents=True, exist_ok=True)
     shutil.copy(config, root / "config.json")
     for filename, tensors in shards.items():

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from vllm_fastload.tools.checkpoints import write_checkpoint
-from vllm_fastload.tools.demo import DEMO_SPEC
 
 from .conftest import HERE
 
@@ -35,7 +34,7 @@ def _verify(*args: str, env: dict | None = None, timeout: float = 900) -> subpro
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("verify")
-    return {"demo": write_checkpoint(root / "demo", DEMO_SPEC, files=2),
+    return {"demo": write_checkpoint(root / "demo", "demo", files=2),
             "gpt2": registry.build("GPT2LMHeadModel", root, "large")}
 
 
@@ -43,7 +42,7 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 def core_checkpoints(tmp_path_factory) -> dict[str, Path]:
     """A dense, an MoE and a quantized checkpoint (compressed-tensors W8A8 int8)."""
     root = tmp_path_factory.mktemp("verify-core")
-    return {"LlamaForCausalLM": write_checkpoint(root / "dense", DEMO_SPEC, files=2),
+    return {"LlamaForCausalLM": write_checkpoint(root / "dense", "demo", files=2),
             "MixtralForCausalLM": registry.build("MixtralForCausalLM", root, "small"),
             "quantized LlamaForCausalLM": zoo.build_quantized("llama-w8a8-int8", root)}
 

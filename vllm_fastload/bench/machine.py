@@ -1,8 +1,8 @@
 """The machine's state, measured beside every benchmark result.
 
-On the VMs we develop on, the same load takes 1 s or 4 s depending on how fast fresh memory
-is (freed guest memory goes back to the host, and touching it again is slow) and how fast the
-disk is that minute. A result printed without these two numbers cannot be compared with any
+On a VM the same load can take 1 s or 4 s depending on how fast fresh memory is (freed guest
+memory goes back to the host, and touching it again is slow) and how fast the disk is that
+minute. A result printed without these two numbers cannot be compared with any
 other, so both benchmarks print them above their tables.
 """
 
@@ -18,17 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from vllm_fastload.readers import direct, memory
+from vllm_fastload.tools.pagecache import evict
 
-
-def evict(paths: Sequence[str]) -> None:
-    """Drop the files' pages from the page cache (clean pages only; needs no privileges)."""
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+__all__ = ["MachineState", "evict", "first_touch_gbps", "release_memory"]
 
 
 def first_touch_gbps(nbytes: int = 512 << 20) -> float:

@@ -49,6 +49,8 @@ PRESETS: dict[str, ModelSpec] = {
     "tiny-mixtral": ModelSpec(arch="mixtral"),
     "tiny-gqa1": ModelSpec(kv_heads=1),  # one kv head: replicated across ranks at TP=2
     # TinyLlama's shapes with 16 layers: 1.67 GB in bf16 (the benchmark checkpoint).
+    # 55 MB: the small Llama of the tests' vLLM starts.
+    "demo": ModelSpec(hidden=512, intermediate=1408, layers=8, heads=8, kv_heads=4, vocab=4000),
     "bench-llama": ModelSpec(hidden=2048, intermediate=5632, layers=16, heads=32, kv_heads=4, vocab=32000),
     # Llama-3-8B's shapes with 10 layers: 6.46 GB, how the benchmark's ratios move with size.
     "bench-llama-6g": ModelSpec(**LLAMA3_8B, layers=10),
