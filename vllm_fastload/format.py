@@ -37,7 +37,7 @@ DTYPE_BITS: dict[str, int] = {
 
 #: Same limit as the safetensors library: a header over 100 MB is treated as corrupt.
 MAX_HEADER_BYTES = 100_000_000
-#: The largest product of a shape's non-zero dims: torch's sizes and strides are int64.
+#: The largest element count or stride of a shape: torch's sizes and strides are int64.
 MAX_ELEMENTS = 2**63 - 1
 INDEX_NAME = "model.safetensors.index.json"
 _ENTRY_KEYS = ("dtype", "shape", "data_offsets")
@@ -121,6 +121,23 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _overflows(shape: list[int]) -> bool:
+    """Whether a shape's element count (multiplied left to right, as safetensors and torch do) or
+    torch's largest stride (the dims right of the first, a 0 counted as 1) passes int64. Each loop
+    stops at the first overflow: a hostile shape may hold thousands of huge dims."""
+    count = 1
+    for d in shape:
+        count *= d
+        if d > MAX_ELEMENTS or count > MAX_ELEMENTS:
+            return True
+    stride = 1
+    for d in shape[1:]:
+        stride *= max(d, 1)
+        if stride > MAX_ELEMENTS:
+            return True
+    return False
+
+
 def _parse_entry(path: str, name: str, entry: object, data_len: int) -> tuple[str, tuple[int, ...], int, int]:
     if not isinstance(entry, dict):
         raise TensorMetadataError("header entry is not a JSON object", file=path, tensor=name)
@@ -138,14 +155,9 @@ def _parse_entry(path: str, name: str, entry: object, data_len: int) -> tuple[st
             or not all(_is_int(o) for o in offsets)):
         raise TensorMetadataError(
             f"data_offsets must be two integers, got {offsets!r}", file=path, tensor=name)
-    # Torch's strides are products of the dims to their right, with a 0 counted as 1: every one of
-    # them, and safetensors' element count, fits in int64 if the product of the non-zero dims does.
-    product = 1
-    for d in shape:  # stops at the first overflow: a hostile shape may hold thousands of huge dims
-        product *= max(d, 1)
-        if product > MAX_ELEMENTS:
-            raise TensorMetadataError(f"shape {shape} overflows: its non-zero dims multiply past {MAX_ELEMENTS}",
-                                      file=path, tensor=name)
+    if _overflows(shape):
+        raise TensorMetadataError(f"shape {shape} overflows: its element count or largest stride passes "
+                                  f"{MAX_ELEMENTS}", file=path, tensor=name)
     numel = math.prod(shape)
     begin, end = offsets
     if begin < 0 or end < begin:

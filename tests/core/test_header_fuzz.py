@@ -118,7 +118,7 @@ def samples(draw) -> Sample:
         elif kind == "shape":
             dim = st.sampled_from(EDGE_INTS) | st.integers(-3, 9) | st.sampled_from([1.5, True, "2", None, [2]])
             entry["shape"] = draw(st.lists(dim, max_size=6) | st.sampled_from(
-                [None, 3, "3", {}, [2**40, 2**40], [2**32, 2**32, 0], [0, 7, 2**62], [1] * 1000]))
+                [None, 3, "3", {}, [2**40, 2**40], [2**32, 2**32, 0], [0, 7, 2**62], [2**53 + 1, 0, 2**31 - 1], [1] * 1000]))
         else:
             if draw(st.booleans()):
                 del entry[draw(st.sampled_from(sorted(entry)))]
