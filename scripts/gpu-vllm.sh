@@ -29,9 +29,9 @@
 # steps. If call 2 lands on a fresh machine it says so and stops (exit 3): make call 1 again.
 # A machine that already unpacked the bundle unpacks nothing again, so a re-run is call 2 alone.
 #
-# Budget: a GPU session has 15 device minutes, the machine's start and the transfers included.
-# One start (1-2 min), call 1 (seconds) and call 2 (GPU_VLLM_BUDGET, 480 s) leave about 5 minutes:
-# enough for one re-run of the steps that need it, e.g.
+# Budget: the default GPU_VLLM_BUDGET (480 s) is sized for a 15-minute GPU allocation that also
+# pays for the machine's start (1-2 min) and call 1 (seconds): about 5 minutes stay for one re-run
+# of the steps that need it, e.g.
 #   GPU_VLLM_STEPS=generate GPU_VLLM_BUDGET=240 bash scripts/gpu-vllm.sh "$OUT"
 # Every step prints its elapsed time; a step that would pass the budget is shortened (fewer
 # repetitions) or skipped, and says so. Checkpoints are kept on the machine's disk and reused.
