@@ -41,6 +41,9 @@ from vllm_fastload.format import MAX_HEADER_BYTES
 from ._util import raw_bytes
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "300"))
+#: Seconds an example may take (a hang fails it); ``FUZZ_DEADLINE_S=0`` leaves hangs to pytest-timeout,
+#: for a long run that may be paused.
+DEADLINE_MS = float(os.environ.get("FUZZ_DEADLINE_S", "30")) * 1000 or None
 
 #: safetensors dtype -> element bytes, for those both torch and safetensors load.
 DTYPES = {"BOOL": 1, "U8": 1, "I8": 1, "I16": 2, "U16": 2, "I32": 4, "U32": 4, "I64": 8, "U64": 8,
@@ -202,7 +205,7 @@ _dir = tempfile.TemporaryDirectory(prefix="fastload-fuzz-")
 _rss_start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
-@settings(max_examples=EXAMPLES, deadline=30_000, derandomize=EXAMPLES <= 1000,
+@settings(max_examples=EXAMPLES, deadline=DEADLINE_MS, derandomize=EXAMPLES <= 1000,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(samples())
 def test_fuzzed_headers_load_as_safetensors_or_fail_naming_the_file(sample: Sample) -> None:
