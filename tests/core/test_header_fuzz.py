@@ -13,8 +13,9 @@ Whatever safetensors refuses, fastload refuses too. fastload is stricter in two 
 a header that names a tensor twice is refused (safetensors keeps the last), because which of
 the two entries is the tensor is a guess; and so is a shape whose element count or largest
 stride passes 2^63 - 1 (possible only with a zero dim: safetensors then hands out an empty tensor
-whose strides torch let wrap around, and torch refuses to allocate some of them). ``FUZZ_EXAMPLES`` sets the number of examples
-(default 300, CI's share); a long run is ``FUZZ_EXAMPLES=100000``.
+whose strides torch let wrap around, and torch refuses to allocate some of them).
+``FUZZ_EXAMPLES`` sets the number of examples (default 300, CI's share); a long run is
+``FUZZ_EXAMPLES=100000 FUZZ_DEADLINE_S=0``.
 """
 
 from __future__ import annotations
@@ -123,7 +124,8 @@ def samples(draw) -> Sample:
         elif kind == "shape":
             dim = st.sampled_from(EDGE_INTS) | st.integers(-3, 9) | st.sampled_from([1.5, True, "2", None, [2]])
             entry["shape"] = draw(st.lists(dim, max_size=6) | st.sampled_from(
-                [None, 3, "3", {}, [2**40, 2**40], [2**32, 2**32, 0], [0, 7, 2**62], [2**53 + 1, 0, 2**31 - 1], [1] * 1000]))
+                [None, 3, "3", {}, [2**40, 2**40], [2**32, 2**32, 0], [0, 7, 2**62], [2**53 + 1, 0, 2**31 - 1],
+                 [1] * 1000]))
         else:
             if draw(st.booleans()):
                 del entry[draw(st.sampled_from(sorted(entry)))]

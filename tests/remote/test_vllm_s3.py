@@ -32,7 +32,7 @@ MODEL = "qwen2"  # a tests/vllm architecture: its default-loader run at TP=2 is 
 #: header prefetch that does not fetch a tiny shard whole: so the store serves what the plan reads.
 REMOTE = {"coalesce_gap": 64, "header_prefetch": "16KiB", "timeout_s": 10, "max_retries": 1,
           "retry_timeout_s": 10}
-MOVED = "vLLM moved the object-storage check; update vllm_plugin._allow_object_storage"
+MOVED = "vLLM moved the object-storage check; update vllm_plugin.compat.allow_object_storage"
 
 
 @pytest.fixture(scope="module")

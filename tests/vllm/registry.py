@@ -99,7 +99,7 @@ SKIPPED: dict[str, str] = {
     "InklingForCausalLM": _REMOTE + "padded_vocab_size",
     "LongcatFlashForCausalLM": _REMOTE + "mla_scale_q_lora",
     "MiMoV2FlashForCausalLM": _REMOTE + "hybrid_layer_pattern",
-    "Zamba2ForCausalLM": "vLLM's Zamba2 rejects the transformers config at any size tried here "
+    "Zamba2ForCausalLM": "vLLM's Zamba2 rejects the transformers config at both of the zoo's sizes "
                          "(attention_hidden_size must be divisible by num_attention_heads)",
 }
 NO_CLASS = "transformers ships no class for it (remote code only)"

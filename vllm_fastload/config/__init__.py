@@ -114,9 +114,9 @@ class FastloadConfig(BaseSettings):
         "auto", description="host backend: O_DIRECT for contiguous ranges not in the page cache "
         "('auto'), for every contiguous range ('always'), or never (buffered reads with read-ahead "
         "advice). Where a filesystem refuses O_DIRECT, fastload reads through the page cache.")
-    plan_per_rank: bool = Field(True, description="vLLM loader: learn the model's own sharding and read "
-                                "only this rank's bytes straight into the parameters. false: read every "
-                                "tensor whole and hand it to the model's load_weights, as vLLM's default "
+    plan_per_rank: bool = Field(True, description="vLLM and SGLang loaders: learn the model's own sharding and "
+                                "read only this rank's bytes straight into the parameters. false: read every "
+                                "tensor whole and hand it to the model's load_weights, as the engine's default "
                                 "loader does (an escape hatch; each rank then reads the whole checkpoint).")
     row_exchange: Mode = Field(
         "auto", description="vLLM loader at TP>1: ranks that each take a column slice of a tensor "
@@ -135,17 +135,17 @@ class FastloadConfig(BaseSettings):
                                  "skips them. Off by default: on vLLM-CPU the repacking competes with the reader "
                                  "for the rank's cores and the load got slower.")
     early_reads: Mode = Field(
-        "auto", description="vLLM loader: as soon as vLLM has built its config (in the process that builds it, "
-        "long before the workers ask for weights), read a local checkpoint into the page cache in the background, "
+        "auto", description="vLLM and SGLang loaders: as soon as the engine has its config (in the process that "
+        "builds it, long before the ranks ask for weights), read a local checkpoint (or a Hugging Face id's cached "
+        "snapshot) into the page cache in the background, "
         "on idle CPU time, if it fits in half of the memory available then, and keep it mapped until the ranks "
         "have loaded; load_weights then finds it there. 'auto': on local filesystems; 'always': also on network "
-        "filesystems and FUSE mounts (where the client's own CPU work competes with vLLM's start-up); 'never'. "
+        "filesystems and FUSE mounts (where the client's own CPU work competes with the start-up); 'never'. "
         "A switch (true, false, 1, 0, ...) means 'always' or 'never'.")
     hugepages: bool = Field(False, description="Ask for transparent huge pages on the host backend's "
-                            "pooled read buffers (never on an engine's parameters). Off by default: on VMs "
-                            "whose balloon hands free memory back to the host in 2 MiB blocks, every huge page "
-                            "is memory the host must back anew, which makes first touching it slower than "
-                            "4 KiB pages (docs/benchmarks.md).")
+                            "pooled read buffers (never on an engine's parameters). Off by default: where a VM "
+                            "hands freed memory back to its host in 2 MiB blocks, every huge page is memory the "
+                            "host must back anew, slower to touch first than 4 KiB pages (docs/benchmarks.md).")
     remote: RemoteConfig = Field(default_factory=RemoteConfig, description="Object store settings for "
                                  "s3://, gs://, az:// and http(s):// checkpoints (see config.remote).")
 
