@@ -19,15 +19,17 @@ Engine-independent: each adapter calls ``start`` where its engine has its config
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from typing import Any
+
+from vllm_fastload import policy
 
 logger = logging.getLogger("vllm_fastload")
 
-#: The share of the memory available at start-up that early reads may fill with page cache.
-MEMORY_SHARE = 0.5
 #: Set in the environment of the process that started early reads, so that the processes it
 #: starts (the engine's workers, which may verify the config again) do not read twice.
 STARTED_ENV = "_FASTLOAD_EARLY_READS"
@@ -70,7 +72,8 @@ def _start(path: str, extra: dict[str, Any], local_ranks: int, engine: str, revi
     os.environ[MARKS_ENV] = marks.directory
     reads = None
     try:
-        reads = read_ahead(files, limit=int(available_memory() * MEMORY_SHARE), hold=marks, hold_s=HOLD_S)
+        limit = int(available_memory() * policy.EARLY_READS_MEMORY_SHARE)
+        reads = read_ahead(files, limit=limit, hold=marks, hold_s=HOLD_S)
     finally:
         if reads is None:
             marks.remove()
@@ -84,8 +87,7 @@ def _start(path: str, extra: dict[str, Any], local_ranks: int, engine: str, revi
 def files_to_read(path: str, extra: dict[str, Any], *, revision: str | None = None,
                   download_dir: str | None = None) -> list[str]:
     """The checkpoint files to read early for a model at ``path`` loaded with fastload's ``extra``
-    config (the environment's ``FASTLOAD_*`` under it); none where early reads are off, and with
-    'auto' none on a network filesystem.
+    config (the environment's ``FASTLOAD_*`` under it); none where ``policy.early_reads`` says not to.
 
     A Hugging Face id (``org/name``) is its snapshot at ``revision`` in the local cache (or
     ``download_dir``), resolved without the network as the engine's download step will resolve it;
@@ -93,32 +95,65 @@ def files_to_read(path: str, extra: dict[str, Any], *, revision: str | None = No
     step has already fetched its ``config.json`` and moved the cache's ref to it, so its snapshot
     lacks the weights: no early reads, and the load reads that revision once it is downloaded.
     Early reads only warm the page cache; the load reads whatever the download step hands it."""
-    from vllm_fastload.checkpoint import Checkpoint
-    from vllm_fastload.config import FastloadConfig
-    from vllm_fastload.errors import MissingFileError
-    from vllm_fastload.sources import fstype, hub, is_remote
+    facts = _EarlyFacts(path, extra, revision, download_dir)
+    decision = policy.early_reads(facts)
+    policy.DecisionLog().note("early reads", decision, path=path, **facts.known())
+    return facts.files if decision is policy.EarlyReads.READ else []
 
-    if is_remote(path):
-        return []  # an object store: nothing on this node's disks to read ahead
-    if not os.path.isdir(path) and not hub.is_repo_id(path):
-        return []
-    mode = FastloadConfig.from_env(**extra).early_reads
-    if mode == "never":
-        return []
-    if os.path.isdir(path):
-        ckpt = Checkpoint.discover(path)
-    else:
-        snapshot = hub.cached_snapshot(path, revision=revision, cache_dir=download_dir)
-        try:
-            ckpt = Checkpoint.discover(snapshot)
-        except MissingFileError as exc:  # e.g. vLLM fetched a newer revision's config.json, not its weights yet
-            raise hub.NotCachedError(f"the cached snapshot of {path} at revision {revision or 'main'} lacks "
-                                     f"weight files ({exc.reason})") from None
-    files = sorted(ckpt.files)
-    ckpt.close()
-    if mode == "auto" and not all(_local(fstype.filesystem_type(f)) for f in files):
-        return []
-    return files
+
+class _EarlyFacts:
+    """What ``policy.early_reads`` may ask of a model path; the setting is parsed, and the
+    checkpoint's files found, only when asked."""
+
+    def __init__(self, path: str, extra: dict[str, Any], revision: str | None, download_dir: str | None) -> None:
+        from vllm_fastload.sources import hub, is_remote
+
+        self._path, self._extra, self._revision, self._download_dir = path, extra, revision, download_dir
+        self.remote = is_remote(path)
+        self.directory = not self.remote and os.path.isdir(path)
+        self.hub_id = not self.remote and not self.directory and hub.is_repo_id(path)
+        self._known: dict[str, object] = {}
+
+    @property
+    def mode(self) -> policy.Mode:
+        from vllm_fastload.config import FastloadConfig
+
+        mode = FastloadConfig.from_env(**self._extra).early_reads
+        self._known["mode"] = mode
+        return mode
+
+    @property
+    def filesystems(self) -> Iterator[policy.Filesystem]:
+        from vllm_fastload.sources import fstype
+
+        for file in self.files:
+            kind = fstype.filesystem_type(file)
+            self._known["filesystem"] = kind
+            yield policy.Filesystem(kind, network=fstype.is_network(kind))
+
+    @functools.cached_property
+    def files(self) -> list[str]:
+        """The checkpoint's files, sorted."""
+        from vllm_fastload.checkpoint import Checkpoint
+        from vllm_fastload.errors import MissingFileError
+        from vllm_fastload.sources import hub
+
+        if self.directory:
+            ckpt = Checkpoint.discover(self._path)
+        else:
+            snapshot = hub.cached_snapshot(self._path, revision=self._revision, cache_dir=self._download_dir)
+            try:
+                ckpt = Checkpoint.discover(snapshot)
+            except MissingFileError as exc:  # e.g. vLLM fetched a newer revision's config.json, not its weights yet
+                raise hub.NotCachedError(f"the cached snapshot of {self._path} at revision "
+                                         f"{self._revision or 'main'} lacks weight files ({exc.reason})") from None
+        files = sorted(ckpt.files)
+        ckpt.close()
+        return files
+
+    def known(self) -> dict[str, object]:
+        """What was learnt (for the decision's log line)."""
+        return {"remote": self.remote, "directory": self.directory, "hub_id": self.hub_id, **self._known}
 
 
 def _snapshot_of(file: str) -> str:
@@ -127,14 +162,6 @@ def _snapshot_of(file: str) -> str:
     if "snapshots" not in parts:
         return os.path.dirname(file)
     return parts[len(parts) - parts[::-1].index("snapshots")][:12]
-
-
-def _local(filesystem: str) -> bool:
-    """Whether ``auto`` reads early on this filesystem type: not on network filesystems, nor on
-    FUSE mounts (most of them fetch from a network or an object store)."""
-    from vllm_fastload.sources import fstype
-
-    return not fstype.is_network(filesystem) and not filesystem.startswith("fuse")
 
 
 def load_begins() -> None:
