@@ -4,6 +4,7 @@ or all decline, without one left waiting. (The network-filesystem case runs on a
 
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 
@@ -160,14 +161,27 @@ def test_a_rank_whose_decision_fails_still_agrees(checkpoint: Path, monkeypatch)
     assert warnings == ["fastload: not sharing row reads with the other ranks: mincore failed"]
 
 
-def test_the_decision_is_logged_once_per_load_with_its_facts(checkpoint: Path, caplog):
-    """At debug level, one line per outcome per load, naming the facts it was made from."""
+def test_the_decision_is_logged_once_per_load_with_its_facts(checkpoint: Path):
+    """At debug level, one line per outcome per load, naming the facts it was made from. (Caught on
+    the package's logger itself: where the vLLM plugin registered in this process, its lines go to
+    vLLM's handlers, not the root's.)"""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = records.append  # type: ignore[method-assign]
+    tree = logging.getLogger("vllm_fastload")
+    level = tree.level
+    tree.addHandler(handler)
+    tree.setLevel(logging.DEBUG)
     ckpt, config, infos, targets = _open(checkpoint)
-    with ckpt, caplog.at_level("DEBUG", logger="vllm_fastload"):
-        sharing = _Sharing(None)
-        sharing.decide(config, ckpt, infos, 1.0)
-        assert sharing.offer(targets) == sharing.offer(targets) == (False, _machine())
-    lines = [r.getMessage() for r in caplog.records if "row exchange" in r.getMessage()]
+    try:
+        with ckpt:
+            sharing = _Sharing(None)
+            sharing.decide(config, ckpt, infos, 1.0)
+            assert sharing.offer(targets) == sharing.offer(targets) == (False, _machine())
+    finally:
+        tree.removeHandler(handler)
+        tree.setLevel(level)
+    lines = [r.getMessage() for r in records if "row exchange" in r.getMessage()]
     assert lines == ["fastload: row exchange: not offered: no row slices known to be cold (setting=auto, "
                      "remote=False, cached=1.0, network=False, backend=host, sliced_bytes="
                      f"{sum(infos[name].nbytes for name in ROW_SLICES)})"]

@@ -14,16 +14,18 @@ them first; then the reading process unmaps them and ends (it also ends with the
 started it). A failure here is logged, never raised.
 
 Engine-independent: each adapter calls ``start`` where its engine has its configuration (vLLM:
-``vllm_plugin.early``; SGLang: ``sglang_plugin``) and ``load_begins``/``load_ends`` around its load.
+``vllm_plugin.early``; SGLang: ``sglang_plugin``) and loads each rank within ``loading()``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from vllm_fastload import policy
@@ -40,32 +42,45 @@ MARKS_ENV = "_FASTLOAD_EARLY_READS_MARKS"
 HOLD_S = 600.0
 
 
-def start(path: str, extra: dict[str, Any], local_ranks: int, engine: str, *, revision: str | None = None,
-          download_dir: str | None = None) -> None:
-    """Read the checkpoint at ``path`` into the page cache for the ``local_ranks`` ranks that will
-    load it on this node (``extra``: fastload's options as the engine received them), once per
-    path in a process tree. ``engine`` names the engine in the log line; ``revision`` and
-    ``download_dir`` are the engine's, for a Hugging Face id (see ``files_to_read``)."""
+@dataclass(frozen=True)
+class Start:
+    """What early reads need to know of an engine's start, read from its configuration."""
+
+    #: The model: a directory, a Hugging Face id, or an object URI (never read early).
+    path: str
+    #: fastload's options as the engine received them (``--model-loader-extra-config``).
+    extra: dict[str, Any]
+    #: The ranks that will load it on this node.
+    local_ranks: int
+    #: The engine's revision and download directory, for a Hugging Face id (see ``files_to_read``).
+    revision: str | None = None
+    download_dir: str | None = None
+
+
+def start(engine: str, settings: Callable[[], Start]) -> None:
+    """Read the checkpoint of the start that ``settings()`` describes into the page cache, once per
+    path in a process tree (``engine`` names the engine in the log lines). Best effort: any
+    failure, reading the engine's configuration included, is logged, never raised."""
     from vllm_fastload.sources.hub import NotCachedError
 
     try:
-        _start(path, extra, local_ranks, engine, revision, download_dir)
+        _start(settings(), engine)
     except NotCachedError as exc:
         logger.info("fastload: no early reads: %s; %s downloads it and fastload reads it at load time", exc, engine)
     except Exception as exc:  # best effort: the loader reads at load time regardless
         logger.info("fastload: no early reads (%s: %s)", type(exc).__name__, exc)
 
 
-def _start(path: str, extra: dict[str, Any], local_ranks: int, engine: str, revision: str | None,
-           download_dir: str | None) -> None:
+def _start(start: Start, engine: str) -> None:
     from vllm_fastload.sources.readahead import LoadMarks, available_memory, read_ahead
 
+    path, local_ranks = start.path, start.local_ranks
     if os.environ.get(STARTED_ENV) == path or _is_rank() or local_ranks < 1:
         return  # decided already, a rank itself, or no rank loads on this node (a front end without engines)
     # Decided once per model in a process tree, whatever the outcome: the processes the engine starts
     # from here may verify its configuration again, by then perhaps while the load is under way.
     os.environ[STARTED_ENV] = path
-    files = files_to_read(path, extra, revision=revision, download_dir=download_dir)
+    files = files_to_read(path, start.extra, revision=start.revision, download_dir=start.download_dir)
     if not files:
         return
     marks = LoadMarks(local_ranks)  # removed when the reads end, or at this process's exit
@@ -162,6 +177,17 @@ def _snapshot_of(file: str) -> str:
     if "snapshots" not in parts:
         return os.path.dirname(file)
     return parts[len(parts) - parts[::-1].index("snapshots")][:12]
+
+
+@contextlib.contextmanager
+def loading() -> Iterator[None]:
+    """Around a rank's load: early reads stop as it begins (the load reads the rest in its own
+    order), and need not hold what they read for it once it ends, done or failed."""
+    load_begins()
+    try:
+        yield
+    finally:
+        load_ends()
 
 
 def load_begins() -> None:

@@ -74,6 +74,14 @@ class RankReport:
     #: Parameters no checkpoint write reached on the planned path (``ProbeResult.never_written``).
     never_written: list[str] = field(default_factory=list)
 
+    def as_dict(self, post_processed: int = 0) -> dict[str, object]:
+        """What the engine loaders keep as their ``report`` (for tests and ``verify``);
+        ``post_processed``: modules post-processed as their layer completed."""
+        return {"rank": self.rank, "world": self.world, "planned": self.planned,
+                "fallback_reason": self.fallback_reason, "bytes_read": self.bytes_read,
+                "bytes_kept": self.bytes_kept, "bytes_total": self.bytes_total, "summary": self.summary,
+                "post_processed": post_processed, "phases": self.phases, "cached": self.cached}
+
     def line(self) -> str:
         """The rank's log line."""
         share = self.bytes_read / max(self.bytes_total, 1)

@@ -11,7 +11,6 @@ Tested: SGLang 0.5.23 (``SUPPORTED``), in-process, on CPU (scripts/test.sh's SGL
 from __future__ import annotations
 
 import contextlib
-import importlib
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -19,7 +18,10 @@ from typing import Any
 import torch
 from torch import nn
 
-logger = logging.getLogger("vllm_fastload.sglang")
+from vllm_fastload.events import missing_targets
+
+#: The adapter's logger, under the package's (SGLang shows the root's handlers, so it needs no routing).
+logger = logging.getLogger("vllm_fastload.sglang_plugin")
 
 #: The SGLang releases this fastload is tested with (``major.minor.patch`` prefixes).
 SUPPORTED = ("0.5.23",)
@@ -61,24 +63,9 @@ def is_supported(version: str) -> bool:
     return any(version == v or version.startswith(v + ".") or version.startswith(v + "+") for v in SUPPORTED)
 
 
-def _resolve(target: str) -> Any:
-    module, _, path = target.partition(":")
-    obj: Any = importlib.import_module(module)
-    for part in path.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def missing_interfaces(names: Iterable[str] | None = None) -> list[str]:
     """The names of the required interfaces (all, or those named) this SGLang lacks."""
-    wanted = REQUIRED if names is None else {n: REQUIRED[n] for n in names}
-    missing = []
-    for name, target in wanted.items():
-        try:
-            _resolve(target)
-        except (ImportError, AttributeError):
-            missing.append(name)
-    return missing
+    return missing_targets(REQUIRED if names is None else {n: REQUIRED[n] for n in names})
 
 
 _noted = False

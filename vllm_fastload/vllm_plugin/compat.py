@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import inspect
 import logging
 from collections.abc import Callable
@@ -21,7 +20,10 @@ from typing import Any
 
 from torch import nn
 
-logger = logging.getLogger("vllm.fastload")
+from vllm_fastload.events import missing_targets
+
+#: The adapter's logger, under the package's (see ``vllm_plugin``: shown in vLLM's log).
+logger = logging.getLogger("vllm_fastload.vllm_plugin")
 
 #: The releases this fastload is tested with, oldest and newest (``major.minor``, any patch).
 SUPPORTED = ((0, 29), (0, 32))
@@ -72,23 +74,9 @@ def is_supported(version: str) -> bool:
     return release is not None and SUPPORTED[0] <= release <= SUPPORTED[1]
 
 
-def _resolve(target: str) -> Any:
-    module, _, path = target.partition(":")
-    obj: Any = importlib.import_module(module)
-    for part in path.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def missing_interfaces(required: dict[str, str] | None = None) -> list[str]:
     """The names of the required interfaces this vLLM lacks."""
-    missing = []
-    for name, target in (REQUIRED if required is None else required).items():
-        try:
-            _resolve(target)
-        except (ImportError, AttributeError):
-            missing.append(name)
-    return missing
+    return missing_targets(REQUIRED if required is None else required)
 
 
 _noted = False

@@ -20,15 +20,15 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm_fastload import exchange
 from vllm_fastload.config import FastloadConfig
 from vllm_fastload.errors import CheckpointError
+from vllm_fastload.model import early
 from vllm_fastload.model.options import loader_config
 from vllm_fastload.model.rank import load_rank, model_device
 from vllm_fastload.sources import is_remote
-from vllm_fastload.vllm_plugin import compat, early, model_hooks
+from vllm_fastload.vllm_plugin import compat, model_hooks
 from vllm_fastload.vllm_plugin.cpus import reader_cpus
 from vllm_fastload.vllm_plugin.post import LayerPostProcessor
 
-# Under "vllm." so vLLM's own handlers and format apply.
-logger = logging.getLogger("vllm.fastload")
+logger = logging.getLogger("vllm_fastload.vllm_plugin")  # shown in vLLM's log (see ``vllm_plugin``)
 
 
 def _rank() -> tuple[int, int]:
@@ -69,11 +69,8 @@ class FastloadModelLoader(BaseModelLoader):
         self._checkpoint_dir(model_config)  # an object URI is opened where it is, never downloaded
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
-        early.load_begins()  # early reads stop here: this rank reads the rest in its own order
-        try:
+        with early.loading():  # early reads stop as this rank's load begins
             self._load_weights(model, model_config)
-        finally:
-            early.load_ends()  # done or failed, this rank no longer needs what was read early
 
     # -- helpers ----------------------------------------------------------------------------
     def _load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
@@ -98,11 +95,7 @@ class FastloadModelLoader(BaseModelLoader):
         if config.cpus:
             line += f"; reader threads on CPUs {','.join(map(str, config.cpus))}"
         logger.info("%s", line)
-        self.report = {"rank": rank, "world": world, "planned": report.planned,
-                       "fallback_reason": report.fallback_reason, "bytes_read": report.bytes_read,
-                       "bytes_kept": report.bytes_kept, "bytes_total": report.bytes_total, "summary": report.summary,
-                       "post_processed": post.processed if post is not None else 0, "phases": report.phases,
-                       "cached": report.cached}
+        self.report = report.as_dict(post_processed=post.processed if post is not None else 0)
         loaded = report.loaded if post is None or report.loaded is None else report.loaded | post.added
         self._check_complete(model, model_config, loaded, path)
 
