@@ -221,7 +221,7 @@ class _Region:
 
     span: tuple[int, int]
     box: _GridBox | None
-    key: tuple
+    key: tuple[object, ...]
 
     @classmethod
     def of(cls, t: torch.Tensor, origin: int) -> _Region:
@@ -265,10 +265,10 @@ class _Derived:
 
     source: str
     out: torch.Tensor   # kept alive so its storage id is never reused
-    func: object
-    args: tuple
-    kwargs: dict
-    signature: tuple
+    func: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    signature: tuple[object, ...]
 
 
 def _is_meta(obj: object) -> bool:
@@ -281,7 +281,7 @@ def _mutates(name: str) -> bool:
     return name.endswith("_") and not name.startswith("__") and name not in _METADATA_ONLY
 
 
-def _tensors_in(obj) -> Iterator[torch.Tensor]:
+def _tensors_in(obj: object) -> Iterator[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, (list, tuple)):
@@ -292,7 +292,7 @@ def _tensors_in(obj) -> Iterator[torch.Tensor]:
             yield from _tensors_in(x)
 
 
-def _leaves(obj, signature) -> tuple | str:
+def _leaves(obj: object, signature: Callable[[torch.Tensor], object]) -> tuple[object, ...] | str:
     """A hashable description of an op's arguments (slices are not hashable before Python 3.12)."""
     if isinstance(obj, torch.Tensor):
         return ("tensor", signature(obj))
@@ -303,7 +303,8 @@ def _leaves(obj, signature) -> tuple | str:
     return repr(obj)
 
 
-def _replace(obj, fn):
+def _replace(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``obj`` with each tensor in it (in lists, tuples and dicts) replaced by ``fn(tensor)``."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, (list, tuple)):
@@ -322,7 +323,7 @@ class _Recorder(TorchFunctionMode):
         self.derived: dict[int, _Derived] = {}
         #: (signature, view, destination shape) -> the write's view of its checkpoint tensor: every
         #: layer repeats the same derivation, so the index arithmetic runs once per distinct one.
-        self.views: dict[tuple, Geometry | None] = {}
+        self.views: dict[tuple[object, ...], Geometry | None] = {}
         self.memory = memory
         self.result = result
         #: parameter -> [(region written, the copy that wrote it or None for a fill)]
@@ -340,17 +341,17 @@ class _Recorder(TorchFunctionMode):
             name = self.derived[key].source
         return name
 
-    def _signature(self, t: torch.Tensor) -> tuple | None:
+    def _signature(self, t: torch.Tensor) -> tuple[object, ...] | None:
         key = t.untyped_storage()._cdata
         if key in self.placeholders:
-            base = ("checkpoint", self.shapes[key])
+            base: tuple[object, ...] = ("checkpoint", self.shapes[key])
         elif key in self.derived:
             base = self.derived[key].signature
         else:
             return None
         return base, tuple(t.shape), tuple(t.stride()), t.storage_offset()
 
-    def _derive(self, func, args: tuple, kwargs: dict, out) -> None:
+    def _derive(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], out: object) -> None:
         """Remember how ``out`` (a new meta storage) was made from one checkpoint tensor."""
         if not isinstance(out, torch.Tensor) or not out.is_meta:
             return
@@ -359,15 +360,16 @@ class _Recorder(TorchFunctionMode):
             return  # a view: found through its storage already
         inputs = [t for t in _tensors_in((args, kwargs)) if t.is_meta]
         sources = {self._source(t) for t in inputs}
-        if not inputs or None in sources or len(sources) != 1:
+        source = sources.pop() if len(sources) == 1 else None
+        if not inputs or source is None:
             return  # not from one checkpoint tensor: a copy of it is "computed", and refused later
         if any(not t.is_meta for t in _tensors_in((args, kwargs))):
-            signature: tuple = ("indexed by a real tensor", object())  # never shares a cached result
+            signature: tuple[object, ...] = ("indexed by a real tensor", object())  # never shares a cached result
         else:
             signature = (getattr(func, "__name__", repr(func)), _leaves((args, kwargs), self._signature))
-        self.derived[key] = _Derived(sources.pop(), out, func, args, kwargs, signature)
+        self.derived[key] = _Derived(source, out, func, args, kwargs, signature)
 
-    def _positions(self, t: torch.Tensor, memo: dict) -> torch.Tensor:
+    def _positions(self, t: torch.Tensor, memo: dict[int, torch.Tensor]) -> torch.Tensor:
         """For each element of meta tensor ``t``: its flat position in its checkpoint tensor, computed
         by running the recorded ops on position tensors instead of data."""
         key = t.untyped_storage()._cdata
@@ -414,7 +416,7 @@ class _Recorder(TorchFunctionMode):
                 return
             placement = Placement(name, dest, owner, view.shape, view.strides, view.offset, reshape=True)
         else:
-            placement = Placement(name, dest, owner, tuple(src.shape), tuple(src.stride()), src.storage_offset())
+            placement = Placement(name, dest, owner, tuple(src.shape), tuple(src.stride()), int(src.storage_offset()))
         if not self._claim(owner, dest, f"{owner} is written twice in overlapping regions (last: {name})",
                            placement):
             return
@@ -478,7 +480,7 @@ class _Recorder(TorchFunctionMode):
             self._claim(owner, args[0][args[1]], f"{owner} is overwritten by item assignment after checkpoint "
                                                  "data was copied into it")
 
-    def _checkpoint_holder(self, objs) -> str | None:
+    def _checkpoint_holder(self, objs: object) -> str | None:
         """The model tensor among ``objs`` (real tensors) whose region holds checkpoint data, if any."""
         for t in _tensors_in(objs):
             if t.is_meta:
@@ -529,7 +531,7 @@ def probe_model(model: nn.Module, tensors: Mapping[str, tuple[tuple[int, ...], t
     recorder = _Recorder(placeholders, memory, result)
     try:
         with recorder:
-            loaded = (load_weights or model.load_weights)(iter(placeholders.items()))
+            loaded = (load_weights or own_load_weights(model))(iter(placeholders.items()))
     except Exception as exc:
         result.unsupported.append(f"load_weights cannot run on placeholders: {type(exc).__name__}: {exc}")
         return result
@@ -549,6 +551,12 @@ class _ModelTensors:
     parameters: list[tuple[str, torch.Tensor]]  # (name, parameter), as ``named_parameters`` lists them
     buffers: list[tuple[str, torch.Tensor]]     # (name, buffer), as ``named_buffers`` lists them
     meta: list[str]                             # names of meta tensors (parameters, buffers, attributes)
+
+
+def own_load_weights(model: nn.Module) -> LoadWeights:
+    """The model's own ``load_weights`` (every engine's models have one; ``nn.Module`` does not)."""
+    load_weights: LoadWeights = getattr(model, "load_weights")  # noqa: B009 (nn.Module types attributes as tensors)
+    return load_weights
 
 
 def _tensors_of(model: nn.Module) -> _ModelTensors:

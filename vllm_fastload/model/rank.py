@@ -36,7 +36,7 @@ from vllm_fastload.config import FastloadConfig, reader_cpu_count
 from vllm_fastload.errors import CheckpointError
 from vllm_fastload.events import Countdown
 from vllm_fastload.format import TensorInfo
-from vllm_fastload.model.probe import LoadWeights, Placement, ProbeResult, probe_model
+from vllm_fastload.model.probe import LoadWeights, Placement, ProbeResult, own_load_weights, probe_model
 from vllm_fastload.model.reads import RankReads, plan_reads
 from vllm_fastload.plan import LayerGroup, Plan, TensorRequest
 from vllm_fastload.readers.memory import Prefault
@@ -125,7 +125,7 @@ def load_rank(model: nn.Module, path: str | list[str], config: FastloadConfig, *
     decisions = policy.DecisionLog()  # this load's decisions, each logged once
     sharing = _Sharing(collectives, decisions)
     load = _Load(model, path, config, torch.device(device), rank, world, show_progress, listener,
-                 load_weights or model.load_weights, sharing, decisions)
+                 load_weights or own_load_weights(model), sharing, decisions)
     try:
         return load.run()
     except BaseException:
@@ -376,7 +376,9 @@ class _Sharing:
         return decision.offered, _machine() if decision.within_machine else None
 
     def agree(self, targets: Mapping[TensorRequest, torch.Tensor] | None) -> exchange.RowExchange | None:
-        if not self.pending:
+        """Agree with the group (once; after that, None) on the row reads to share, offering
+        ``targets``' where ``offer`` says so."""
+        if not self.pending or self.collectives is None:
             return None
         try:
             offered, scope = self.offer(targets)

@@ -156,7 +156,7 @@ def build_model(model_config: Any, load_config: Any, device: torch.device) -> nn
         return _initialize_model(model_config, load_config, quant_config)
 
 
-def default_dtype(dtype: torch.dtype) -> contextlib.AbstractContextManager:
+def default_dtype(dtype: torch.dtype) -> contextlib.AbstractContextManager[Any]:
     """SGLang's default-dtype context, which its loader keeps while loading and post-processing."""
     from sglang.srt.model_loader.utils import set_default_torch_dtype
 
@@ -169,11 +169,13 @@ def weights_loader(model: nn.Module) -> Callable[[Iterable[tuple[str, torch.Tens
     (a pass-through elsewhere), then ``model.load_weights``. (GPU memory bookkeeping left out.)"""
     from sglang.srt.kernel_plugins.amd.binding import monokernel_weights_iterator
 
+    from vllm_fastload.model.probe import own_load_weights
+
     def load_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Any:
         quant_config = getattr(model, "quant_config", None)
         if quant_config is not None and quant_config.get_name() == "mxfp8":
             weights = _mxfp8_names(weights)
-        return model.load_weights(monokernel_weights_iterator(model=model, weights=weights))
+        return own_load_weights(model)(monokernel_weights_iterator(model=model, weights=weights))
 
     return load_weights
 

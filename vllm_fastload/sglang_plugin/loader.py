@@ -39,7 +39,7 @@ class FastloadModelLoader(BaseModelLoader):
         if "post_per_layer" in self.config.model_fields_set and self.config.post_per_layer:
             logger.warning("fastload: post_per_layer applies to vLLM only; SGLang post-processes after the load")
         #: What the last load did on this rank (also logged): for tests and ``verify``.
-        self.report: dict = {}
+        self.report: dict[str, object] = {}
 
     # -- SGLang's BaseModelLoader ------------------------------------------------------------
     def download_model(self, model_config: Any) -> None:

@@ -17,7 +17,7 @@ from vllm.config import ModelConfig, VllmConfig
 from vllm.config.load import LoadConfig
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
-from vllm_fastload import exchange
+from vllm_fastload import exchange, policy
 from vllm_fastload.config import FastloadConfig
 from vllm_fastload.errors import CheckpointError
 from vllm_fastload.model import early
@@ -47,7 +47,7 @@ class FastloadModelLoader(BaseModelLoader):
         self.config = loader_config(load_config.model_loader_extra_config, "vLLM")
         #: What the last ``load_weights`` did on this rank (also logged): for tests and tools that
         #: load in-process, e.g. tests/vllm/zoo.py.
-        self.report: dict = {}
+        self.report: dict[str, object] = {}
         #: Where vLLM post-processes, while ``load_model`` runs (None: ``load_weights`` called on
         #: its own, e.g. by a weight reload, which post-processes in its own way).
         self._post_device: torch.device | None = None
@@ -100,12 +100,13 @@ class FastloadModelLoader(BaseModelLoader):
         self._check_complete(model, model_config, loaded, path)
 
     def _rank_config(self) -> FastloadConfig:
-        """The config with this rank's reader CPUs, and a thread per CPU (4 to 16) unless set."""
+        """The config with this rank's reader CPUs, and as many threads as those CPUs want
+        (``policy.default_threads``) unless set."""
         if self._cpus is None:
             return self.config
-        update: dict = {"cpus": self._cpus}
+        update: dict[str, object] = {"cpus": self._cpus}
         if "threads" not in self.config.model_fields_set:
-            update["threads"] = max(self.config.threads, min(16, len(self._cpus)))
+            update["threads"] = max(self.config.threads, policy.default_threads(len(self._cpus)))
         return self.config.model_copy(update=update)
 
     def _post_processor(self, model: nn.Module) -> LayerPostProcessor | None:
