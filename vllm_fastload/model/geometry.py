@@ -186,6 +186,14 @@ def slab_view(tensor_shape: tuple[int, ...], view: Geometry, dim: int | None, lo
     return SlabView(slab, view.shape, flat)
 
 
+@dataclass(frozen=True)
+class Member:
+    """A write a slab serves: its index among the views planned, and its view of the slab."""
+
+    write: int
+    view: SlabView
+
+
 @dataclass
 class Slab:
     """One read: ``tensor.narrow(dim, start, length)`` (``dim`` None: the whole tensor), and the
@@ -194,7 +202,7 @@ class Slab:
     dim: int | None
     start: int
     length: int
-    members: list[tuple[int, SlabView]]  # (index of the write, its view of the slab)
+    members: list[Member]
 
 
 def _rows(tensor_shape: tuple[int, ...], view: Geometry) -> tuple[int, int] | None:
@@ -230,7 +238,7 @@ def plan_slabs(tensor_shape: tuple[int, ...], views: list[Geometry], read_cost: 
 def _whole(shape: tuple[int, ...], views: list[Geometry]) -> list[Slab]:
     """The whole tensor as one slab, holding every view."""
     length = shape[0] if shape else 1
-    return [Slab(None, 0, length, [(i, _view_or_raise(shape, v, None, 0, length)) for i, v in enumerate(views)])]
+    return [Slab(None, 0, length, [Member(i, _view_or_raise(shape, v, None, 0, length)) for i, v in enumerate(views)])]
 
 
 def _extents(shape: tuple[int, ...], views: list[Geometry]) -> list[dict[int, tuple[int, int]]] | None:
@@ -302,7 +310,7 @@ def _assign(shape: tuple[int, ...], views: list[Geometry], slabs: list[Slab]) ->
         for slab in slabs:
             member = slab_view(shape, view, slab.dim, slab.start, slab.length)
             if member is not None:
-                slab.members.append((i, member))
+                slab.members.append(Member(i, member))
                 break
         else:
             return False

@@ -32,6 +32,14 @@ from vllm_fastload.plan import Plan, TensorRequest, plan_tensor
 from vllm_fastload.tensors import CASTABLE, dtype_of, shape_of
 
 
+@dataclass(frozen=True)
+class Replay:
+    """A recorded write, performed from the slab read for it: the write, and its view of the slab."""
+
+    placement: Placement
+    view: SlabView
+
+
 @dataclass
 class RankReads:
     """What one rank reads, and how each byte reaches its parameter."""
@@ -43,7 +51,7 @@ class RankReads:
     targets: dict[TensorRequest, torch.Tensor] = field(default_factory=dict)
     #: Read into buffers; the writes in ``replays[key]`` are replayed from each.
     slabs: list[TensorRequest] = field(default_factory=list)
-    replays: dict[str, list[tuple[Placement, SlabView]]] = field(default_factory=dict)
+    replays: dict[str, list[Replay]] = field(default_factory=dict)
     whole: int = 0
     sliced: int = 0
     replayed: int = 0
@@ -102,9 +110,10 @@ class RankReads:
     def replay(self, key: str, slab: torch.Tensor) -> None:
         """Perform the writes planned on the slab read for ``key``."""
         start = time.perf_counter()
-        for p, view in self.replays[key]:
+        for r in self.replays[key]:
+            p = r.placement
             try:
-                p.replay(slab, view)
+                p.replay(slab, r.view)
             except LayoutError as exc:
                 info = self.infos[p.source]
                 raise PlanError(f"parameter {p.parameter}: {exc}", file=info.file, tensor=info.name) from None
@@ -140,7 +149,7 @@ def plan_reads(probe: ProbeResult, infos: Mapping[str, TensorInfo], strided_min_
         for j, slab in enumerate(plan_slabs(shape_of(info), [p.view for p in placements], read_cost)):
             key = f"{name}#slab{j}"
             reads.slabs.append(_request(info, slab.dim, slab.start, slab.length, key))
-            reads.replays[key] = [(placements[i], view) for i, view in slab.members]
+            reads.replays[key] = [Replay(placements[m.write], m.view) for m in slab.members]
     return reads
 
 
