@@ -11,7 +11,7 @@ import importlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -50,6 +50,18 @@ def import_target(spec: str) -> object:
     for part in path.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def missing_targets(targets: Mapping[str, str]) -> list[str]:
+    """The names in ``targets`` (name -> ``"package.module:attr.path"``) whose target cannot be
+    imported: what an engine adapter checks its engine release for."""
+    missing = []
+    for name, target in targets.items():
+        try:
+            import_target(target)
+        except (ImportError, AttributeError):
+            missing.append(name)
+    return missing
 
 
 def resolve_callback(spec: str | LayerCallback) -> LayerCallback:

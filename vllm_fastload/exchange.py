@@ -91,7 +91,7 @@ class Candidate:
         return self.shape, self.dtype, self.dim
 
 
-def candidates(targets: Mapping[TensorRequest, torch.Tensor], infos: Mapping[str, TensorInfo]) -> dict[str, Candidate]:
+def candidates(targets: Mapping[TensorRequest, object], infos: Mapping[str, TensorInfo]) -> dict[str, Candidate]:
     """This rank's slices along a later dim, one per tensor. Shapes in torch's units (an F4
     tensor's last dim is packed), as the requests are. A tensor asked for more than once is left
     to the plain read (no single slice to swap)."""

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass
 from typing import Literal, Protocol
 
 logger = logging.getLogger("vllm_fastload")
@@ -61,6 +62,13 @@ MAX_GAP = 1 << 20
 NETWORK_STRIDED_MIN_SKIP = 1 << 62
 #: Defaults a network filesystem gets for the fields the user left unset.
 NETWORK_DEFAULTS: dict[str, object] = {"strided_min_skip": NETWORK_STRIDED_MIN_SKIP}
+#: ``row_exchange`` 'auto' on local files shares row reads when less than this share of the row
+#: slices' bytes is cached: cold, one O_DIRECT read of a block of whole rows per rank fetches each
+#: byte from the disk once; warm, each rank copying its own columns out of the page cache is faster.
+ROW_SHARING_COLD = 0.5
+#: The share of the memory available at start-up that early reads may fill with page cache: more
+#: would evict what the engine's start-up itself needs, for pages the load then reads anyway.
+EARLY_READS_MEMORY_SHARE = 0.5
 
 
 # -- decisions -------------------------------------------------------------------------------
@@ -282,6 +290,187 @@ def backend(setting: BackendSetting, device: str, *, remote: bool, gds_live: Cal
     if remote:
         return "cuda"
     return "kvikio" if gds_live() else "cuda"
+
+
+# -- loading a model's rank (``model.rank``, ``model.early``) ----------------------------------
+
+
+class RowSharing(str, enum.Enum):
+    """Whether a rank offers its tensor-parallel group to share row reads (``row_exchange``), and
+    with which ranks: each rank then reads a block of whole rows and sends the others their
+    columns, instead of every rank reading its columns of every row."""
+
+    #: Not offered: ``never``, no per-rank plan, or local reads that a block of rows cannot speed
+    #: up (through the page cache, a network filesystem's client cache, or a device reader).
+    OFF = "not offered"
+    #: Offered to every rank of the group: ``always``, or an object store, where a row-parallel
+    #: slice costs a request per row and a block of rows a few.
+    GROUP = "offered to the whole group"
+    #: Offered to the ranks on this machine (which share its disk): local row slices not in the
+    #: page cache, read by the host reader with O_DIRECT.
+    MACHINE = "offered to the ranks on this machine"
+    #: Not offered, local files on this machine: no row slice, or the row slices cached (or their
+    #: share unknown), where each rank's own copies are faster.
+    NO_COLD_ROWS = "not offered: no row slices known to be cold"
+
+    @property
+    def offered(self) -> bool:
+        return self in (RowSharing.GROUP, RowSharing.MACHINE)
+
+    @property
+    def within_machine(self) -> bool:
+        """The offer (or the refusal) is for the ranks on this machine only."""
+        return self in (RowSharing.MACHINE, RowSharing.NO_COLD_ROWS)
+
+
+class SharingFacts(Protocol):
+    """What a rank can learn for ``row_sharing``; each may cost a probe, so it is asked only where
+    it decides something."""
+
+    @property
+    def network(self) -> bool:
+        """The checkpoint's files are on a network filesystem."""
+
+    @property
+    def backend(self) -> str:
+        """The reader backend that reads them (``backend``)."""
+
+    @property
+    def sliced_bytes(self) -> int | None:
+        """Bytes of the tensors this rank slices along a later dim (``exchange.candidates``);
+        None where it slices none so."""
+
+    @property
+    def sliced_cached(self) -> float | None:
+        """The share of those bytes in the page cache (None: cannot be told)."""
+
+
+def row_sharing(facts: SharingFacts, *, mode: Mode, planned: bool, remote: bool, direct_io: Mode,
+                cached: float | None, total_bytes: int) -> RowSharing:
+    """Whether this rank offers to share row reads with its tensor-parallel group.
+
+    Args:
+        facts: probed as they are asked for.
+        mode: the ``row_exchange`` setting.
+        planned: the rank reads from a per-rank plan (``plan_per_rank``, and the probe could
+            describe the model's loading); without one every tensor is read whole.
+        remote: the checkpoint is in an object store.
+        direct_io: the ``direct_io`` setting the reader runs with.
+        cached: the share of the whole checkpoint in the page cache as the load began (None:
+            cannot be told); where it leaves the row slices no room to be under
+            ``ROW_SHARING_COLD``, their own share is not probed.
+        total_bytes: the checkpoint's size.
+
+    Returns:
+        The offer.
+    """
+    if not planned or mode == "never":
+        return RowSharing.OFF
+    if mode == "always" or remote:
+        return RowSharing.GROUP
+    # A block of whole rows pays where it is one O_DIRECT read by the host reader.
+    if direct_io == "never" or facts.network or facts.backend != "host":
+        return RowSharing.OFF
+    part = facts.sliced_bytes
+    if part is None:
+        return RowSharing.NO_COLD_ROWS
+    if cached is not None and part:
+        at_least = 1 - (1 - cached) * total_bytes / part
+        if at_least >= ROW_SHARING_COLD:
+            return RowSharing.NO_COLD_ROWS
+    share = facts.sliced_cached
+    return RowSharing.MACHINE if share is not None and share < ROW_SHARING_COLD else RowSharing.NO_COLD_ROWS
+
+
+def whole_reads_direct_io(direct_io: Mode, *, world: int) -> Mode:
+    """The ``direct_io`` for reading every tensor whole on every rank (no per-rank plan): at TP>1
+    'auto' reads through the page cache, so that where the ranks share a machine one rank's disk
+    read serves them all (with O_DIRECT each rank would read the whole checkpoint from the disk)."""
+    return "never" if world > 1 and direct_io == "auto" else direct_io
+
+
+def prefault_whole_reads(cpus: int) -> bool:
+    """Whether fresh parameter pages are faulted in on another thread ahead of a model's
+    ``load_weights`` copying every tensor into them: with one CPU that thread would only take
+    turns with the copies."""
+    return cpus > 1
+
+
+@dataclass(frozen=True)
+class Filesystem:
+    """A checkpoint file's filesystem, as ``early_reads`` needs to know it."""
+
+    #: The type the kernel names it by (``/proc/self/mountinfo``): "ext4", "nfs4", "fuse.sshfs"...
+    type: str
+    #: Reads on it cross a network (``sources.fstype.is_network``).
+    network: bool
+
+
+def reads_early_by_default(fs: Filesystem) -> bool:
+    """Whether ``early_reads`` 'auto' reads ahead on ``fs``: not on network filesystems, nor on FUSE
+    mounts (most fetch from a network or an object store), where the client's own work (sshfs
+    decrypting, for one) shares the CPUs with the engine's start-up and the start is not sooner."""
+    return not fs.network and not fs.type.startswith("fuse")
+
+
+class EarlyReads(str, enum.Enum):
+    """Whether a checkpoint is read into the page cache while the engine starts."""
+
+    READ = "read"
+    #: An object store: nothing on this node's disks to read ahead.
+    REMOTE = "not read: an object store"
+    #: Neither a directory nor a Hugging Face id (a single file, or a path that is not there).
+    NOT_A_CHECKPOINT = "not read: neither a directory nor a Hugging Face id"
+    OFF = "not read: early_reads is never"
+    #: 'auto', and a file on a filesystem ``reads_early_by_default`` refuses.
+    NETWORK = "not read: a file on a network or FUSE filesystem"
+
+
+class EarlyFacts(Protocol):
+    """What ``early_reads`` may ask; ``mode`` and ``filesystems`` cost work (parsing the config,
+    finding the checkpoint's files) and are asked only where they decide something."""
+
+    @property
+    def remote(self) -> bool:
+        """The model is an object-store URI."""
+
+    @property
+    def directory(self) -> bool:
+        """The model is a local directory."""
+
+    @property
+    def hub_id(self) -> bool:
+        """The model is a Hugging Face id (``org/name``)."""
+
+    @property
+    def mode(self) -> Mode:
+        """The ``early_reads`` setting."""
+
+    @property
+    def filesystems(self) -> Iterable[Filesystem]:
+        """The filesystems of the checkpoint's files, one per file, found as they are iterated."""
+
+
+def early_reads(facts: EarlyFacts) -> EarlyReads:
+    """Whether to read the checkpoint into the page cache while the engine starts (``early_reads``:
+    by default where every file is on a filesystem ``reads_early_by_default`` accepts).
+
+    Example:
+        >>> from types import SimpleNamespace as F
+        >>> early_reads(F(remote=False, directory=True, hub_id=False, mode="auto",
+        ...               filesystems=[Filesystem("nfs4", network=True)]))
+        <EarlyReads.NETWORK: 'not read: a file on a network or FUSE filesystem'>
+    """
+    if facts.remote:
+        return EarlyReads.REMOTE
+    if not facts.directory and not facts.hub_id:
+        return EarlyReads.NOT_A_CHECKPOINT
+    mode = facts.mode
+    if mode == "never":
+        return EarlyReads.OFF
+    if mode == "auto" and not all(reads_early_by_default(fs) for fs in facts.filesystems):
+        return EarlyReads.NETWORK
+    return EarlyReads.READ
 
 
 class DecisionLog:

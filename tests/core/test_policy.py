@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from vllm_fastload import policy
-from vllm_fastload.policy import ChunkRead, MapChunk
+from vllm_fastload.policy import ChunkRead, EarlyReads, Filesystem, MapChunk, RowSharing
 
 ANY = object()
 
@@ -183,6 +183,135 @@ def test_filesystem_defaults() -> None:
     assert policy.filesystem_defaults(network=False, set_fields=set()) == {}
     assert policy.filesystem_defaults(network=True, set_fields=set()) == policy.NETWORK_DEFAULTS
     assert policy.filesystem_defaults(network=True, set_fields={"strided_min_skip"}) == {}
+
+
+@dataclass
+class SharingFacts:
+    """``policy.SharingFacts`` that record which of them a decision asked for."""
+
+    network: bool = False
+    backend: str = "host"
+    sliced_bytes: int | None = None
+    sliced_cached: float | None = None
+    asked: list[str] = field(default_factory=list)
+
+    def __getattribute__(self, name: str):
+        if name in ("network", "backend", "sliced_bytes", "sliced_cached"):
+            object.__getattribute__(self, "asked").append(name)
+        return object.__getattribute__(self, name)
+
+
+#: (planned, mode, remote, direct_io, network, backend, sliced_bytes, cached, sliced_cached) -> the
+#: offer; the first matching row decides. The checkpoint is 512 bytes, so 128 sliced bytes are a
+#: quarter of it, and a share of 0.875 or more cached as the load began leaves them no room to be
+#: under ``ROW_SHARING_COLD`` (0.5). Recorded from ``model.rank._Sharing.offer`` before the decision
+#: moved here, over every combination below (its scope: this machine for MACHINE and NO_COLD_ROWS).
+ROW_SHARING = [
+    ((False, ANY, ANY, ANY, ANY, ANY, ANY, ANY, ANY), RowSharing.OFF),
+    ((True, "never", ANY, ANY, ANY, ANY, ANY, ANY, ANY), RowSharing.OFF),
+    ((True, "always", ANY, ANY, ANY, ANY, ANY, ANY, ANY), RowSharing.GROUP),
+    ((True, "auto", True, ANY, ANY, ANY, ANY, ANY, ANY), RowSharing.GROUP),
+    ((True, "auto", False, "never", ANY, ANY, ANY, ANY, ANY), RowSharing.OFF),
+    ((True, "auto", False, ANY, True, ANY, ANY, ANY, ANY), RowSharing.OFF),
+    ((True, "auto", False, ANY, False, "cuda", ANY, ANY, ANY), RowSharing.OFF),
+    ((True, "auto", False, ANY, False, "host", None, ANY, ANY), RowSharing.NO_COLD_ROWS),
+    ((True, "auto", False, ANY, False, "host", 128, {0.875, 0.9}, ANY), RowSharing.NO_COLD_ROWS),
+    ((True, "auto", False, ANY, False, "host", 128, ANY, 0.2), RowSharing.MACHINE),
+    ((True, "auto", False, ANY, False, "host", 128, ANY, ANY), RowSharing.NO_COLD_ROWS),
+]
+
+
+@pytest.mark.parametrize("planned,mode,remote,direct_io,network,backend,sliced,cached", list(itertools.product(
+    [True, False], ["auto", "always", "never"], [False, True], ["auto", "always", "never"], [False, True],
+    ["host", "cuda"], [None, 128], [None, 0.0, 0.874, 0.875, 0.9])))
+def test_row_sharing_table(planned, mode, remote, direct_io, network, backend, sliced, cached) -> None:
+    for sliced_cached in (None, 0.2, 0.5, 0.8):
+        facts = SharingFacts(network, backend, sliced, sliced_cached)
+        key = (planned, mode, remote, direct_io, network, backend, sliced, cached, sliced_cached)
+        want = next(out for row, out in ROW_SHARING if _matches(row, key))
+        got = policy.row_sharing(facts, mode=mode, planned=planned, remote=remote, direct_io=direct_io,
+                                 cached=cached, total_bytes=512)
+        assert got is want, key
+        assert got.offered == (want in (RowSharing.GROUP, RowSharing.MACHINE))
+        # Probes in the order the rank made them, each only where it decides something.
+        local = planned and mode == "auto" and not remote and direct_io != "never"
+        wants = ["network"] if local else []
+        wants += ["backend"] if local and not network else []
+        wants += ["sliced_bytes"] if local and not network and backend == "host" else []
+        bound = cached is not None and sliced and 1 - (1 - cached) * 4 >= policy.ROW_SHARING_COLD
+        wants += ["sliced_cached"] if wants[-1:] == ["sliced_bytes"] and sliced and not bound else []
+        assert facts.asked == wants, key
+
+
+@pytest.mark.parametrize("direct_io,world,want", [
+    ("auto", 1, "auto"), ("auto", 2, "never"), ("auto", 8, "never"), ("always", 1, "always"),
+    ("always", 2, "always"), ("never", 1, "never"), ("never", 2, "never"),
+])
+def test_whole_reads_direct_io(direct_io, world, want) -> None:
+    assert policy.whole_reads_direct_io(direct_io, world=world) == want
+
+
+@pytest.mark.parametrize("cpus,want", [(1, False), (2, True), (16, True)])
+def test_prefault_whole_reads(cpus: int, want: bool) -> None:
+    assert policy.prefault_whole_reads(cpus) is want
+
+
+@pytest.mark.parametrize("fs,want", [
+    (Filesystem("ext4", network=False), True), (Filesystem("xfs", network=False), True),
+    (Filesystem("tmpfs", network=False), True), (Filesystem("nfs4", network=True), False),
+    (Filesystem("fuse.sshfs", network=True), False), (Filesystem("fuse.s3fs", network=False), False),
+])
+def test_reads_early_by_default(fs: Filesystem, want: bool) -> None:
+    assert policy.reads_early_by_default(fs) is want
+
+
+class EarlyFacts:
+    """``policy.EarlyFacts`` that record which of the costly ones a decision asked for, and how
+    many filesystems it looked at."""
+
+    def __init__(self, kind: str, mode: str, filesystems: list[Filesystem]) -> None:
+        self.remote, self.directory, self.hub_id = kind == "remote", kind == "directory", kind == "hub"
+        self._mode, self._filesystems = mode, filesystems
+        self.asked: list[str] = []
+
+    @property
+    def mode(self) -> str:
+        self.asked.append("mode")
+        return self._mode
+
+    @property
+    def filesystems(self):
+        for fs in self._filesystems:
+            self.asked.append("filesystem")
+            yield fs
+
+
+LOCAL, NFS = Filesystem("ext4", network=False), Filesystem("nfs4", network=True)
+FUSE, TMPFS = Filesystem("fuse.sshfs", network=True), Filesystem("tmpfs", network=False)
+#: (kind of path, mode, filesystems of its two files) -> the decision; the first matching row
+#: decides. Recorded from ``model.early.files_to_read`` before the decision moved here (a path
+#: that is "neither": a file, or nothing there).
+EARLY_READS = [
+    (("remote", ANY, ANY), EarlyReads.REMOTE),
+    (("neither", ANY, ANY), EarlyReads.NOT_A_CHECKPOINT),
+    ((ANY, "never", ANY), EarlyReads.OFF),
+    ((ANY, "auto", {"nfs", "fuse"}), EarlyReads.NETWORK),
+    ((ANY, ANY, ANY), EarlyReads.READ),
+]
+FILESYSTEMS = {"local": [LOCAL, LOCAL], "nfs": [LOCAL, NFS], "fuse": [FUSE, LOCAL], "tmpfs": [TMPFS, LOCAL]}
+
+
+@pytest.mark.parametrize("kind,mode,fs", list(itertools.product(
+    ["remote", "directory", "hub", "neither"], ["auto", "always", "never"], FILESYSTEMS)))
+def test_early_reads_table(kind: str, mode: str, fs: str) -> None:
+    facts = EarlyFacts(kind, mode, FILESYSTEMS[fs])
+    want = next(out for row, out in EARLY_READS if _matches(row, (kind, mode, fs)))
+    assert policy.early_reads(facts) is want
+    # The setting is read (and checked) only for a checkpoint there is; its files' filesystems
+    # only by 'auto', and no further than the first that rules early reads out.
+    checkpoint = kind in ("directory", "hub")
+    looked = {"local": 2, "tmpfs": 2, "nfs": 2, "fuse": 1}[fs] if checkpoint and mode == "auto" else 0
+    assert facts.asked == (["mode"] if checkpoint else []) + ["filesystem"] * looked
 
 
 def test_each_outcome_is_logged_once_with_its_facts(caplog) -> None:

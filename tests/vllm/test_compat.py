@@ -42,7 +42,7 @@ def test_supported_range_is_by_release():
 def test_an_untested_vllm_is_named_once_per_process(monkeypatch, caplog):
     monkeypatch.setattr(vllm, "__version__", "0.99.0")
     monkeypatch.setattr(compat, "_noted", False)
-    with caplog.at_level(logging.WARNING, logger="vllm.fastload"):
+    with caplog.at_level(logging.WARNING, logger="vllm_fastload.vllm_plugin"):
         compat.note_release()
         compat.note_release()
     lines = [r.getMessage() for r in caplog.records if "outside the range" in r.getMessage()]
@@ -88,6 +88,6 @@ def test_a_vllm_that_cannot_register_the_loader_is_warned_about_not_stopped(monk
     from vllm_fastload.vllm_plugin import register
 
     monkeypatch.delattr(model_loader, "register_model_loader")
-    with caplog.at_level(logging.WARNING, logger="vllm.fastload"):
+    with caplog.at_level(logging.WARNING, logger="vllm_fastload.vllm_plugin"):
         register()
     assert any("it lacks the loader registry (register_model_loader)" in r.getMessage() for r in caplog.records)

@@ -170,7 +170,7 @@ def test_secondary_weights_load_through_vllms_default_loader(tmp_path, caplog):
 
     default, fast = TwoSources(), TwoSources()
     _load("auto", default, path)
-    with caplog.at_level(logging.WARNING, logger="vllm.fastload"):
+    with caplog.at_level(logging.WARNING, logger="vllm_fastload.vllm_plugin"):
         loader = _load("fastload", fast, path)
     _assert_same(default, fast)
     assert torch.equal(fast.layers[2].weight, _tensor(2))

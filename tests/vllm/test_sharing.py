@@ -1,9 +1,10 @@
-"""Whether a rank offers to share row reads with its tensor-parallel group (``rank._Sharing``),
-decided on a real local disk, cold and warm; and that ranks agree, or all decline, without one
-left waiting. (The network-filesystem case runs on a real sshfs mount in tests/netfs.)"""
+"""Whether a rank offers to share row reads with its tensor-parallel group (``rank._Sharing``, as
+``policy.row_sharing`` decides), decided on a real local disk, cold and warm; and that ranks agree,
+or all decline, without one left waiting. (The network-filesystem case runs on a real sshfs mount in tests/netfs.)"""
 
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 import vllm_fastload
-from vllm_fastload import exchange
+from vllm_fastload import exchange, policy
 from vllm_fastload.bench.machine import evict
 from vllm_fastload.config import FastloadConfig
 from vllm_fastload.format import TensorInfo
@@ -71,7 +72,7 @@ def test_a_cold_local_disk_shares_within_the_machine_and_a_warm_one_does_not(che
 
 def test_a_warm_checkpoint_is_judged_by_its_share_at_open(checkpoint: Path, monkeypatch):
     """Where the share of the checkpoint cached as the load began leaves the row slices no room to
-    be under ``COLD``, ``offer`` declines without asking about each tensor's pages; just below that
+    be under ``policy.ROW_SHARING_COLD``, ``offer`` declines without asking about each tensor's pages; just below that
     bound, or with no share known, it asks, and what it asks decides."""
     for path in checkpoint.glob("*.safetensors"):
         path.read_bytes()
@@ -88,7 +89,7 @@ def test_a_warm_checkpoint_is_judged_by_its_share_at_open(checkpoint: Path, monk
     ckpt, config, infos, targets = _open(checkpoint)
     with ckpt:
         sliced = sum(infos[name].nbytes for name in ROW_SLICES) / ckpt.checkpoint.total_bytes
-        bound = 1 - (1 - _Sharing.COLD) * sliced  # the lowest share at open that rules them out
+        bound = 1 - (1 - policy.ROW_SHARING_COLD) * sliced  # the lowest share at open that rules them out
         for share, asks in ((1.0, False), (bound + 1e-9, False), (bound - 1e-6, True), (0.0, True), (None, True)):
             asked.clear()
             sharing = _Sharing(None)
@@ -158,3 +159,29 @@ def test_a_rank_whose_decision_fails_still_agrees(checkpoint: Path, monkeypatch)
     assert not any(t.is_alive() for t in threads), "a rank is still waiting in the agreement"
     assert results == [(None, None), (None, None)]
     assert warnings == ["fastload: not sharing row reads with the other ranks: mincore failed"]
+
+
+def test_the_decision_is_logged_once_per_load_with_its_facts(checkpoint: Path):
+    """At debug level, one line per outcome per load, naming the facts it was made from. (Caught on
+    the package's logger itself: where the vLLM plugin registered in this process, its lines go to
+    vLLM's handlers, not the root's.)"""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = records.append  # type: ignore[method-assign]
+    tree = logging.getLogger("vllm_fastload")
+    level = tree.level
+    tree.addHandler(handler)
+    tree.setLevel(logging.DEBUG)
+    ckpt, config, infos, targets = _open(checkpoint)
+    try:
+        with ckpt:
+            sharing = _Sharing(None)
+            sharing.decide(config, ckpt, infos, 1.0)
+            assert sharing.offer(targets) == sharing.offer(targets) == (False, _machine())
+    finally:
+        tree.removeHandler(handler)
+        tree.setLevel(level)
+    lines = [r.getMessage() for r in records if "row exchange" in r.getMessage()]
+    assert lines == ["fastload: row exchange: not offered: no row slices known to be cold (setting=auto, "
+                     "remote=False, cached=1.0, network=False, backend=host, sliced_bytes="
+                     f"{sum(infos[name].nbytes for name in ROW_SLICES)})"]

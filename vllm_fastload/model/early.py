@@ -14,20 +14,24 @@ them first; then the reading process unmaps them and ends (it also ends with the
 started it). A failure here is logged, never raised.
 
 Engine-independent: each adapter calls ``start`` where its engine has its configuration (vLLM:
-``vllm_plugin.early``; SGLang: ``sglang_plugin``) and ``load_begins``/``load_ends`` around its load.
+``vllm_plugin.early``; SGLang: ``sglang_plugin``) and loads each rank within ``loading()``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import os
 import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
+
+from vllm_fastload import policy
 
 logger = logging.getLogger("vllm_fastload")
 
-#: The share of the memory available at start-up that early reads may fill with page cache.
-MEMORY_SHARE = 0.5
 #: Set in the environment of the process that started early reads, so that the processes it
 #: starts (the engine's workers, which may verify the config again) do not read twice.
 STARTED_ENV = "_FASTLOAD_EARLY_READS"
@@ -38,39 +42,53 @@ MARKS_ENV = "_FASTLOAD_EARLY_READS_MARKS"
 HOLD_S = 600.0
 
 
-def start(path: str, extra: dict[str, Any], local_ranks: int, engine: str, *, revision: str | None = None,
-          download_dir: str | None = None) -> None:
-    """Read the checkpoint at ``path`` into the page cache for the ``local_ranks`` ranks that will
-    load it on this node (``extra``: fastload's options as the engine received them), once per
-    path in a process tree. ``engine`` names the engine in the log line; ``revision`` and
-    ``download_dir`` are the engine's, for a Hugging Face id (see ``files_to_read``)."""
+@dataclass(frozen=True)
+class Start:
+    """What early reads need to know of an engine's start, read from its configuration."""
+
+    #: The model: a directory, a Hugging Face id, or an object URI (never read early).
+    path: str
+    #: fastload's options as the engine received them (``--model-loader-extra-config``).
+    extra: dict[str, Any]
+    #: The ranks that will load it on this node.
+    local_ranks: int
+    #: The engine's revision and download directory, for a Hugging Face id (see ``files_to_read``).
+    revision: str | None = None
+    download_dir: str | None = None
+
+
+def start(engine: str, settings: Callable[[], Start]) -> None:
+    """Read the checkpoint of the start that ``settings()`` describes into the page cache, once per
+    path in a process tree (``engine`` names the engine in the log lines). Best effort: any
+    failure, reading the engine's configuration included, is logged, never raised."""
     from vllm_fastload.sources.hub import NotCachedError
 
     try:
-        _start(path, extra, local_ranks, engine, revision, download_dir)
+        _start(settings(), engine)
     except NotCachedError as exc:
         logger.info("fastload: no early reads: %s; %s downloads it and fastload reads it at load time", exc, engine)
     except Exception as exc:  # best effort: the loader reads at load time regardless
         logger.info("fastload: no early reads (%s: %s)", type(exc).__name__, exc)
 
 
-def _start(path: str, extra: dict[str, Any], local_ranks: int, engine: str, revision: str | None,
-           download_dir: str | None) -> None:
+def _start(start: Start, engine: str) -> None:
     from vllm_fastload.sources.readahead import LoadMarks, available_memory, read_ahead
 
+    path, local_ranks = start.path, start.local_ranks
     if os.environ.get(STARTED_ENV) == path or _is_rank() or local_ranks < 1:
         return  # decided already, a rank itself, or no rank loads on this node (a front end without engines)
     # Decided once per model in a process tree, whatever the outcome: the processes the engine starts
     # from here may verify its configuration again, by then perhaps while the load is under way.
     os.environ[STARTED_ENV] = path
-    files = files_to_read(path, extra, revision=revision, download_dir=download_dir)
+    files = files_to_read(path, start.extra, revision=start.revision, download_dir=start.download_dir)
     if not files:
         return
     marks = LoadMarks(local_ranks)  # removed when the reads end, or at this process's exit
     os.environ[MARKS_ENV] = marks.directory
     reads = None
     try:
-        reads = read_ahead(files, limit=int(available_memory() * MEMORY_SHARE), hold=marks, hold_s=HOLD_S)
+        limit = int(available_memory() * policy.EARLY_READS_MEMORY_SHARE)
+        reads = read_ahead(files, limit=limit, hold=marks, hold_s=HOLD_S)
     finally:
         if reads is None:
             marks.remove()
@@ -84,8 +102,7 @@ def _start(path: str, extra: dict[str, Any], local_ranks: int, engine: str, revi
 def files_to_read(path: str, extra: dict[str, Any], *, revision: str | None = None,
                   download_dir: str | None = None) -> list[str]:
     """The checkpoint files to read early for a model at ``path`` loaded with fastload's ``extra``
-    config (the environment's ``FASTLOAD_*`` under it); none where early reads are off, and with
-    'auto' none on a network filesystem.
+    config (the environment's ``FASTLOAD_*`` under it); none where ``policy.early_reads`` says not to.
 
     A Hugging Face id (``org/name``) is its snapshot at ``revision`` in the local cache (or
     ``download_dir``), resolved without the network as the engine's download step will resolve it;
@@ -93,32 +110,65 @@ def files_to_read(path: str, extra: dict[str, Any], *, revision: str | None = No
     step has already fetched its ``config.json`` and moved the cache's ref to it, so its snapshot
     lacks the weights: no early reads, and the load reads that revision once it is downloaded.
     Early reads only warm the page cache; the load reads whatever the download step hands it."""
-    from vllm_fastload.checkpoint import Checkpoint
-    from vllm_fastload.config import FastloadConfig
-    from vllm_fastload.errors import MissingFileError
-    from vllm_fastload.sources import fstype, hub, is_remote
+    facts = _EarlyFacts(path, extra, revision, download_dir)
+    decision = policy.early_reads(facts)
+    policy.DecisionLog().note("early reads", decision, path=path, **facts.known())
+    return facts.files if decision is policy.EarlyReads.READ else []
 
-    if is_remote(path):
-        return []  # an object store: nothing on this node's disks to read ahead
-    if not os.path.isdir(path) and not hub.is_repo_id(path):
-        return []
-    mode = FastloadConfig.from_env(**extra).early_reads
-    if mode == "never":
-        return []
-    if os.path.isdir(path):
-        ckpt = Checkpoint.discover(path)
-    else:
-        snapshot = hub.cached_snapshot(path, revision=revision, cache_dir=download_dir)
-        try:
-            ckpt = Checkpoint.discover(snapshot)
-        except MissingFileError as exc:  # e.g. vLLM fetched a newer revision's config.json, not its weights yet
-            raise hub.NotCachedError(f"the cached snapshot of {path} at revision {revision or 'main'} lacks "
-                                     f"weight files ({exc.reason})") from None
-    files = sorted(ckpt.files)
-    ckpt.close()
-    if mode == "auto" and not all(_local(fstype.filesystem_type(f)) for f in files):
-        return []
-    return files
+
+class _EarlyFacts:
+    """What ``policy.early_reads`` may ask of a model path; the setting is parsed, and the
+    checkpoint's files found, only when asked."""
+
+    def __init__(self, path: str, extra: dict[str, Any], revision: str | None, download_dir: str | None) -> None:
+        from vllm_fastload.sources import hub, is_remote
+
+        self._path, self._extra, self._revision, self._download_dir = path, extra, revision, download_dir
+        self.remote = is_remote(path)
+        self.directory = not self.remote and os.path.isdir(path)
+        self.hub_id = not self.remote and not self.directory and hub.is_repo_id(path)
+        self._known: dict[str, object] = {}
+
+    @property
+    def mode(self) -> policy.Mode:
+        from vllm_fastload.config import FastloadConfig
+
+        mode = FastloadConfig.from_env(**self._extra).early_reads
+        self._known["mode"] = mode
+        return mode
+
+    @property
+    def filesystems(self) -> Iterator[policy.Filesystem]:
+        from vllm_fastload.sources import fstype
+
+        for file in self.files:
+            kind = fstype.filesystem_type(file)
+            self._known["filesystem"] = kind
+            yield policy.Filesystem(kind, network=fstype.is_network(kind))
+
+    @functools.cached_property
+    def files(self) -> list[str]:
+        """The checkpoint's files, sorted."""
+        from vllm_fastload.checkpoint import Checkpoint
+        from vllm_fastload.errors import MissingFileError
+        from vllm_fastload.sources import hub
+
+        if self.directory:
+            ckpt = Checkpoint.discover(self._path)
+        else:
+            snapshot = hub.cached_snapshot(self._path, revision=self._revision, cache_dir=self._download_dir)
+            try:
+                ckpt = Checkpoint.discover(snapshot)
+            except MissingFileError as exc:  # e.g. vLLM fetched a newer revision's config.json, not its weights yet
+                raise hub.NotCachedError(f"the cached snapshot of {self._path} at revision "
+                                         f"{self._revision or 'main'} lacks weight files ({exc.reason})") from None
+        files = sorted(ckpt.files)
+        ckpt.close()
+        return files
+
+    def known(self) -> dict[str, object]:
+        """What was learnt (for the decision's log line)."""
+        return {"remote": self.remote, "directory": self.directory, "hub_id": self.hub_id, **self._known}
 
 
 def _snapshot_of(file: str) -> str:
@@ -129,12 +179,15 @@ def _snapshot_of(file: str) -> str:
     return parts[len(parts) - parts[::-1].index("snapshots")][:12]
 
 
-def _local(filesystem: str) -> bool:
-    """Whether ``auto`` reads early on this filesystem type: not on network filesystems, nor on
-    FUSE mounts (most of them fetch from a network or an object store)."""
-    from vllm_fastload.sources import fstype
-
-    return not fstype.is_network(filesystem) and not filesystem.startswith("fuse")
+@contextlib.contextmanager
+def loading() -> Iterator[None]:
+    """Around a rank's load: early reads stop as it begins (the load reads the rest in its own
+    order), and need not hold what they read for it once it ends, done or failed."""
+    load_begins()
+    try:
+        yield
+    finally:
+        load_ends()
 
 
 def load_begins() -> None:

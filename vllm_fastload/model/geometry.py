@@ -21,18 +21,42 @@ from dataclasses import dataclass
 
 import torch
 
-Geometry = tuple[tuple[int, ...], tuple[int, ...], int]  # (shape, strides, offset) in elements
+from vllm_fastload.sizes import contiguous_strides
+
 #: ``read_cost(dim, start, length)``: bytes the reader moves for ``tensor.narrow(dim, start, length)``
 #: (``dim`` None: the whole tensor).
 ReadCost = Callable[[int | None, int, int], int]
 
 
+@dataclass(frozen=True)
+class Geometry:
+    """A strided view of a contiguous tensor, in elements (what ``as_strided`` takes)."""
+
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    offset: int
+
+    @property
+    def last(self) -> int:
+        """The flat position of the view's last element (strides are >= 0)."""
+        return self.offset + sum((n - 1) * s for n, s in zip(self.shape, self.strides))
+
+
+@dataclass(frozen=True)
+class Step:
+    """How one dim of a view walks a dim of the tensor (or slab) it views: ``step`` indices along
+    ``dim`` per index; ``dim`` -1 (and ``step`` 0) where the view's dim has size 1 or stride 0."""
+
+    dim: int
+    step: int
+
+
+#: A view dim that stays in place (size 1 or stride 0).
+STILL = Step(-1, 0)
+
+
 class LayoutError(ValueError):
     """A slab did not arrive in a layout its views can be built on (a bug: never replayed)."""
-
-
-def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
 
 
 def affine(index: torch.Tensor) -> Geometry | None:
@@ -64,7 +88,7 @@ def affine(index: torch.Tensor) -> Geometry | None:
         cur = blocks[:, 0].contiguous()
     if not dims:
         dims = [(1, 1)]
-    return tuple(n for n, _ in dims), tuple(s for _, s in dims), int(cur[0])
+    return Geometry(tuple(n for n, _ in dims), tuple(s for _, s in dims), int(cur[0]))
 
 
 @dataclass(frozen=True)
@@ -72,7 +96,7 @@ class Box:
     """How a strided view maps onto the dims of a contiguous tensor, without carries."""
 
     start: tuple[int, ...]               # coordinates of the view's first element
-    mapping: tuple[tuple[int, int], ...]  # per view dim: (tensor dim, step along it); (-1, 0) if size 1 or stride 0
+    mapping: tuple[Step, ...]            # per view dim: the tensor dim it walks, and the step
     extent: tuple[tuple[int, int], ...]  # per tensor dim: [lo, hi] coordinates touched
 
 
@@ -83,8 +107,8 @@ def box(tensor_shape: tuple[int, ...], view: Geometry) -> Box | None:
     The outermost dim whose stride divides the view's stride is the only candidate: for an inner
     one the step would be at least that dim's size, so a second element would overflow it.
     """
-    shape, strides, offset = view
-    if not tensor_shape or any(n == 0 for n in tensor_shape) or any(s < 0 for s in strides):
+    offset = view.offset
+    if not tensor_shape or any(n == 0 for n in tensor_shape) or any(s < 0 for s in view.strides):
         return None
     full = contiguous_strides(tensor_shape)
     start = [offset // full[0]] + [(offset // full[d]) % tensor_shape[d] for d in range(1, len(full))]
@@ -92,16 +116,16 @@ def box(tensor_shape: tuple[int, ...], view: Geometry) -> Box | None:
         return None
     reach = [0] * len(full)
     mapping = []
-    for n, s in zip(shape, strides):
+    for n, s in zip(view.shape, view.strides):
         if n == 1 or s == 0:
-            mapping.append((-1, 0))
+            mapping.append(STILL)
             continue
         dims = [d for d in range(len(full)) if s % full[d] == 0 and tensor_shape[d] > 1]
         if not dims:
             return None
         d = dims[0]
         step = s // full[d]
-        mapping.append((d, step))
+        mapping.append(Step(d, step))
         reach[d] += step * (n - 1)
     if any(start[d] + reach[d] >= tensor_shape[d] for d in range(len(full))):
         return None
@@ -120,20 +144,20 @@ class SlabView:
 
     slab_shape: tuple[int, ...]
     shape: tuple[int, ...]
-    flat: Geometry                                    # over the slab laid out contiguously
-    start: tuple[int, ...] | None = None              # coordinates of the first element in the slab
-    axes: tuple[tuple[int, int], ...] | None = None   # per view dim: (slab dim, step); (-1, 0): size 1 or stride 0
+    flat: Geometry                           # over the slab laid out contiguously
+    start: tuple[int, ...] | None = None     # coordinates of the first element in the slab
+    axes: tuple[Step, ...] | None = None     # per view dim: the slab dim it walks, and the step
 
     def on(self, slab: torch.Tensor) -> torch.Tensor:
         """The view over ``slab``; ``LayoutError`` if the slab is not the one this view was planned on."""
         if tuple(slab.shape) != self.slab_shape:
             raise LayoutError(f"the slab read has shape {list(slab.shape)}, planned {list(self.slab_shape)}")
-        if self.axes is not None:
+        if self.axes is not None and self.start is not None:
             strides = slab.stride()
-            view_strides = tuple(step * strides[d] if d >= 0 else 0 for d, step in self.axes)
+            view_strides = tuple(a.step * strides[a.dim] if a.dim >= 0 else 0 for a in self.axes)
             offset = sum(c * s for c, s in zip(self.start, strides))
         elif slab.is_contiguous():
-            _, view_strides, offset = self.flat
+            view_strides, offset = self.flat.strides, self.flat.offset
         else:
             raise LayoutError(f"a view that wraps across rows needs a contiguous slab; the slab read has strides "
                               f"{list(slab.stride())} for shape {list(slab.shape)}")
@@ -143,7 +167,6 @@ class SlabView:
 def slab_view(tensor_shape: tuple[int, ...], view: Geometry, dim: int | None, lo: int, length: int) -> SlabView | None:
     """``view`` (over the whole tensor) as a view of ``tensor.narrow(dim, lo, length)``; None if it
     does not lie inside that slab."""
-    shape, strides, offset = view
     if dim is None:
         dim, lo, length = 0, 0, tensor_shape[0] if tensor_shape else 1
     slab = tuple(length if d == dim else n for d, n in enumerate(tensor_shape))
@@ -151,22 +174,24 @@ def slab_view(tensor_shape: tuple[int, ...], view: Geometry, dim: int | None, lo
     if b is not None and lo <= b.extent[dim][0] and b.extent[dim][1] < lo + length:
         start = tuple(c - (lo if d == dim else 0) for d, c in enumerate(b.start))
         full = contiguous_strides(slab)
-        flat = (shape, tuple(step * full[d] if d >= 0 else 0 for d, step in b.mapping),
-                sum(c * s for c, s in zip(start, full)))
-        return SlabView(slab, shape, flat, start, b.mapping)
+        flat = Geometry(view.shape, tuple(a.step * full[a.dim] if a.dim >= 0 else 0 for a in b.mapping),
+                        sum(c * s for c, s in zip(start, full)))
+        return SlabView(slab, view.shape, flat, start, b.mapping)
     if dim != 0 and tensor_shape:
         return None  # a later dim is planned from the box only
     row = math.prod(tensor_shape[1:]) if tensor_shape else 1
-    flat = (shape, strides, offset - lo * row)
-    if flat[2] < 0 or _last(flat) >= math.prod(slab):
+    flat = Geometry(view.shape, view.strides, view.offset - lo * row)
+    if flat.offset < 0 or flat.last >= math.prod(slab):
         return None
-    return SlabView(slab, shape, flat)
+    return SlabView(slab, view.shape, flat)
 
 
-def _last(view: Geometry) -> int:
-    """Flat position of a view's last element (strides are >= 0)."""
-    shape, strides, offset = view
-    return offset + sum((n - 1) * s for n, s in zip(shape, strides))
+@dataclass(frozen=True)
+class Member:
+    """A write a slab serves: its index among the views planned, and its view of the slab."""
+
+    write: int
+    view: SlabView
 
 
 @dataclass
@@ -177,19 +202,18 @@ class Slab:
     dim: int | None
     start: int
     length: int
-    members: list[tuple[int, SlabView]]  # (index of the write, its view of the slab)
+    members: list[Member]
 
 
 def _rows(tensor_shape: tuple[int, ...], view: Geometry) -> tuple[int, int] | None:
     """The dim-0 rows a view touches, from its first and last flat positions (strides are >= 0)."""
-    _, strides, offset = view
-    if any(s < 0 for s in strides):
+    if any(s < 0 for s in view.strides):
         return None
-    last = _last(view)
+    last = view.last
     row = math.prod(tensor_shape[1:])
-    if row == 0 or offset < 0 or last >= math.prod(tensor_shape):
+    if row == 0 or view.offset < 0 or last >= math.prod(tensor_shape):
         return None
-    return offset // row, last // row
+    return view.offset // row, last // row
 
 
 def plan_slabs(tensor_shape: tuple[int, ...], views: list[Geometry], read_cost: ReadCost) -> list[Slab]:
@@ -203,16 +227,26 @@ def plan_slabs(tensor_shape: tuple[int, ...], views: list[Geometry], read_cost: 
     that costs no more.
     """
     shape = tuple(tensor_shape)
-    whole_length = shape[0] if shape else 1
-    whole_cost = read_cost(None, 0, whole_length)
+    extents = _extents(shape, views)
+    if extents is not None:
+        cover = min(_covers(extents, read_cost), key=lambda c: c.cost)
+        if cover.cost < read_cost(None, 0, shape[0]) and _assign(shape, views, cover.slabs):
+            return [s for s in cover.slabs if s.members]
+    return _whole(shape, views)
 
-    def whole() -> list[Slab]:
-        return [Slab(None, 0, whole_length, [(i, _view_or_raise(shape, v, None, 0, whole_length))
-                                             for i, v in enumerate(views)])]
 
+def _whole(shape: tuple[int, ...], views: list[Geometry]) -> list[Slab]:
+    """The whole tensor as one slab, holding every view."""
+    length = shape[0] if shape else 1
+    return [Slab(None, 0, length, [Member(i, _view_or_raise(shape, v, None, 0, length)) for i, v in enumerate(views)])]
+
+
+def _extents(shape: tuple[int, ...], views: list[Geometry]) -> list[dict[int, tuple[int, int]]] | None:
+    """Per view: dim -> the (first, last) index it spans along it; None where the tensor is empty
+    or a view spans no dim it can be planned on."""
     if not shape or any(n == 0 for n in shape):
-        return whole()
-    extents: list[dict[int, tuple[int, int]]] = []  # per view: dim -> (first, last) index it spans
+        return None
+    extents = []
     for view in views:
         options: dict[int, tuple[int, int]] = {}
         rows = _rows(shape, view)
@@ -222,49 +256,65 @@ def plan_slabs(tensor_shape: tuple[int, ...], views: list[Geometry], read_cost: 
         if b is not None:
             options.update({d: b.extent[d] for d in range(1, len(shape))})
         if not options:
-            return whole()
+            return None
         extents.append(options)
+    return extents
 
-    def merge(picks: dict[int, list[tuple[int, int]]]) -> tuple[int, list[tuple[int, int, int]]]:
-        spans: list[tuple[int, int, int]] = []  # (dim, lo, hi)
-        total = 0
-        for d, intervals in sorted(picks.items()):
-            merged: list[list[int]] = []
-            for lo, hi in sorted(intervals):
-                if merged:
-                    plo, phi = merged[-1]
-                    together = read_cost(d, plo, max(phi, hi) - plo + 1)
-                    if lo <= phi or together <= read_cost(d, plo, phi - plo + 1) + read_cost(d, lo, hi - lo + 1):
-                        merged[-1][1] = max(phi, hi)
-                        continue
-                merged.append([lo, hi])
-            for lo, hi in merged:
-                spans.append((d, lo, hi))
-                total += read_cost(d, lo, hi - lo + 1)
-        return total, spans
 
-    # Candidates: every view on its own cheapest dim, and all views on one shared dim (views that
-    # only together make a cheap slab, as the gate and up halves of each expert in a fused stack).
+@dataclass
+class _Cover:
+    """A candidate set of slabs, and what reading them costs."""
+
+    cost: int
+    slabs: list[Slab]
+
+
+def _covers(extents: list[dict[int, tuple[int, int]]], read_cost: ReadCost) -> list[_Cover]:
+    """The candidates: every view on its own cheapest dim, and all views on one shared dim (views
+    that only together make a cheap slab, as the gate and up halves of each expert in a fused stack)."""
     own: dict[int, list[tuple[int, int]]] = {}
     for options in extents:
         d, (lo, hi) = min(options.items(), key=lambda o: (read_cost(o[0], o[1][0], o[1][1] - o[1][0] + 1), o[0]))
         own.setdefault(d, []).append((lo, hi))
-    candidates = [merge(own)]
+    covers = [_merge(own, read_cost)]
     for d in set.intersection(*(set(o) for o in extents)):
-        candidates.append(merge({d: [o[d] for o in extents]}))
-    total, spans = min(candidates, key=lambda c: c[0])
-    if total >= whole_cost:
-        return whole()
-    slabs = [Slab(d, lo, hi - lo + 1, []) for d, lo, hi in spans]
+        covers.append(_merge({d: [o[d] for o in extents]}, read_cost))
+    return covers
+
+
+def _merge(picks: dict[int, list[tuple[int, int]]], read_cost: ReadCost) -> _Cover:
+    """Slabs for index ranges along their dims, merged along one dim where one read costs no more
+    than two (always where they overlap)."""
+    slabs: list[Slab] = []
+    total = 0
+    for d, intervals in sorted(picks.items()):
+        merged: list[list[int]] = []
+        for lo, hi in sorted(intervals):
+            if merged:
+                plo, phi = merged[-1]
+                together = read_cost(d, plo, max(phi, hi) - plo + 1)
+                if lo <= phi or together <= read_cost(d, plo, phi - plo + 1) + read_cost(d, lo, hi - lo + 1):
+                    merged[-1][1] = max(phi, hi)
+                    continue
+            merged.append([lo, hi])
+        for lo, hi in merged:
+            slabs.append(Slab(d, lo, hi - lo + 1, []))
+            total += read_cost(d, lo, hi - lo + 1)
+    return _Cover(total, slabs)
+
+
+def _assign(shape: tuple[int, ...], views: list[Geometry], slabs: list[Slab]) -> bool:
+    """Each view to the first of ``slabs`` it lies inside; False where one lies in none (cannot
+    happen: every view's own pick lies inside a merged slab)."""
     for i, view in enumerate(views):
         for slab in slabs:
             member = slab_view(shape, view, slab.dim, slab.start, slab.length)
             if member is not None:
-                slab.members.append((i, member))
+                slab.members.append(Member(i, member))
                 break
         else:
-            return whole()  # cannot happen: every view's own pick lies inside a merged slab
-    return [s for s in slabs if s.members]
+            return False
+    return True
 
 
 def _view_or_raise(shape: tuple[int, ...], view: Geometry, dim: int | None, lo: int, length: int) -> SlabView:

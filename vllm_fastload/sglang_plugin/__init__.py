@@ -14,6 +14,11 @@ SGLang as an invalid choice); the loader, once chosen, stops over anything else 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm_fastload.model import early
+
 LOAD_FORMAT = "fastload"
 _registered = False
 
@@ -43,21 +48,20 @@ def _loader_class() -> type:
     return FastloadModelLoader
 
 
-def _start_early_reads(server_args: object) -> None:
+def _start_early_reads(server_args: Any) -> None:
     """Early reads (``model.early``) from the process that resolved SGLang's arguments."""
+    from vllm_fastload.model import early
+
+    early.start("SGLang", lambda: _early_settings(server_args))
+
+
+def _early_settings(server_args: Any) -> early.Start:
+    import json
+
     from vllm_fastload.model import early
     from vllm_fastload.sglang_plugin import compat
 
-    try:
-        path = str(server_args.model_path)
-        extra = server_args.model_loader_extra_config or {}
-        if isinstance(extra, str):
-            import json
-
-            extra = json.loads(extra)
-        ranks = compat.local_ranks(server_args)
-    except Exception as exc:  # best effort: the loader reads at load time regardless
-        early.logger.info("fastload: no early reads (%s: %s)", type(exc).__name__, exc)
-        return
-    early.start(path, extra, ranks, "SGLang", revision=getattr(server_args, "revision", None),
-                download_dir=getattr(server_args, "download_dir", None))
+    extra = server_args.model_loader_extra_config or {}
+    return early.Start(path=str(server_args.model_path), extra=json.loads(extra) if isinstance(extra, str) else extra,
+                       local_ranks=compat.local_ranks(server_args), revision=getattr(server_args, "revision", None),
+                       download_dir=getattr(server_args, "download_dir", None))

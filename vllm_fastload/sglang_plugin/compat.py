@@ -11,7 +11,6 @@ Tested: SGLang 0.5.23 (``SUPPORTED``), in-process, on CPU (scripts/test.sh's SGL
 from __future__ import annotations
 
 import contextlib
-import importlib
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -19,7 +18,10 @@ from typing import Any
 import torch
 from torch import nn
 
-logger = logging.getLogger("vllm_fastload.sglang")
+from vllm_fastload.events import missing_targets
+
+#: The adapter's logger, under the package's (SGLang shows the root's handlers, so it needs no routing).
+logger = logging.getLogger("vllm_fastload.sglang_plugin")
 
 #: The SGLang releases this fastload is tested with (``major.minor.patch`` prefixes).
 SUPPORTED = ("0.5.23",)
@@ -61,24 +63,9 @@ def is_supported(version: str) -> bool:
     return any(version == v or version.startswith(v + ".") or version.startswith(v + "+") for v in SUPPORTED)
 
 
-def _resolve(target: str) -> Any:
-    module, _, path = target.partition(":")
-    obj: Any = importlib.import_module(module)
-    for part in path.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def missing_interfaces(names: Iterable[str] | None = None) -> list[str]:
     """The names of the required interfaces (all, or those named) this SGLang lacks."""
-    wanted = REQUIRED if names is None else {n: REQUIRED[n] for n in names}
-    missing = []
-    for name, target in wanted.items():
-        try:
-            _resolve(target)
-        except (ImportError, AttributeError):
-            missing.append(name)
-    return missing
+    return missing_targets(REQUIRED if names is None else {n: REQUIRED[n] for n in names})
 
 
 _noted = False
@@ -169,7 +156,7 @@ def build_model(model_config: Any, load_config: Any, device: torch.device) -> nn
         return _initialize_model(model_config, load_config, quant_config)
 
 
-def default_dtype(dtype: torch.dtype) -> contextlib.AbstractContextManager:
+def default_dtype(dtype: torch.dtype) -> contextlib.AbstractContextManager[Any]:
     """SGLang's default-dtype context, which its loader keeps while loading and post-processing."""
     from sglang.srt.model_loader.utils import set_default_torch_dtype
 
@@ -182,11 +169,13 @@ def weights_loader(model: nn.Module) -> Callable[[Iterable[tuple[str, torch.Tens
     (a pass-through elsewhere), then ``model.load_weights``. (GPU memory bookkeeping left out.)"""
     from sglang.srt.kernel_plugins.amd.binding import monokernel_weights_iterator
 
+    from vllm_fastload.model.probe import own_load_weights
+
     def load_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Any:
         quant_config = getattr(model, "quant_config", None)
         if quant_config is not None and quant_config.get_name() == "mxfp8":
             weights = _mxfp8_names(weights)
-        return model.load_weights(monokernel_weights_iterator(model=model, weights=weights))
+        return own_load_weights(model)(monokernel_weights_iterator(model=model, weights=weights))
 
     return load_weights
 

@@ -25,7 +25,7 @@ from vllm_fastload.model.rank import RankReport, load_rank, model_device
 from vllm_fastload.sglang_plugin import compat
 from vllm_fastload.sources import is_remote
 
-logger = logging.getLogger("vllm_fastload.sglang")
+logger = logging.getLogger("vllm_fastload.sglang_plugin")
 
 
 class FastloadModelLoader(BaseModelLoader):
@@ -39,7 +39,7 @@ class FastloadModelLoader(BaseModelLoader):
         if "post_per_layer" in self.config.model_fields_set and self.config.post_per_layer:
             logger.warning("fastload: post_per_layer applies to vLLM only; SGLang post-processes after the load")
         #: What the last load did on this rank (also logged): for tests and ``verify``.
-        self.report: dict = {}
+        self.report: dict[str, object] = {}
 
     # -- SGLang's BaseModelLoader ------------------------------------------------------------
     def download_model(self, model_config: Any) -> None:
@@ -61,11 +61,8 @@ class FastloadModelLoader(BaseModelLoader):
     def load_weights(self, model: nn.Module, model_config: Any) -> None:
         """Fill ``model``'s parameters from the checkpoint, as SGLang's default loader's
         ``load_weights_only`` would, without post-processing them."""
-        early.load_begins()  # early reads stop here: this rank reads the rest in its own order
-        try:
+        with early.loading():  # early reads stop as this rank's load begins
             self._load_weights(model, model_config)
-        finally:
-            early.load_ends()  # done or failed, this rank no longer needs what was read early
 
     # -- helpers ----------------------------------------------------------------------------
     def _load_weights(self, model: nn.Module, model_config: Any) -> None:
@@ -83,7 +80,7 @@ class FastloadModelLoader(BaseModelLoader):
                            collectives=collectives, show_progress=self.config.progress and rank == 0,
                            load_weights=compat.weights_loader(model))
         logger.info("%s", report.line())
-        self.report = _report(report)
+        self.report = report.as_dict()
         if report.planned:
             _check_every_parameter_written(model, report, path)
 
@@ -118,13 +115,6 @@ def _weights_left_to_sglang(model: nn.Module, load_config: Any) -> str | None:
     if getattr(load_config, "draft_model_idx", None) is not None:
         return "a draft model's layer is picked out of the checkpoint (draft_model_idx)"
     return None
-
-
-def _report(report: RankReport) -> dict:
-    return {"rank": report.rank, "world": report.world, "planned": report.planned,
-            "fallback_reason": report.fallback_reason, "bytes_read": report.bytes_read,
-            "bytes_kept": report.bytes_kept, "bytes_total": report.bytes_total, "summary": report.summary,
-            "post_processed": 0, "phases": report.phases, "cached": report.cached}
 
 
 def _check_every_parameter_written(model: nn.Module, report: RankReport, path: str) -> None:

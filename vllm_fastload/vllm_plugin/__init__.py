@@ -4,6 +4,11 @@ vLLM calls it once per process (API server, engine core, every worker), so it mu
 idempotent, and it must never stop a vLLM that does not load with fastload: an exception raised
 here would end every start of every model. So ``register`` only warns where it cannot register,
 and the loader, once chosen, stops start-up over anything else missing (``compat.require``).
+
+Logging: every logger of the package is named after the package it logs for: "vllm_fastload" for
+the engine-independent code (one logger, so that one level shows or hides all of it), and
+"vllm_fastload.vllm_plugin", "vllm_fastload.sglang_plugin" for the adapters. Once registered, this
+adapter shows that whole tree in vLLM's log, with vLLM's handlers and format (``_route_logs_to_vllm``).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ def register() -> None:
     """
     from vllm_fastload.vllm_plugin import compat
 
+    _route_logs_to_vllm()  # first: the lines below belong in vLLM's log too
     compat.note_release()
     if compat.REGISTRATION & set(compat.missing_interfaces()):
         try:
@@ -31,8 +37,7 @@ def register() -> None:
         return
     from vllm_fastload.vllm_plugin.loader import FastloadModelLoader
 
-    if compat.register_loader(LOAD_FORMAT, FastloadModelLoader):
-        _route_core_logs_to_vllm()
+    compat.register_loader(LOAD_FORMAT, FastloadModelLoader)
     compat.allow_object_storage(LOAD_FORMAT, _is_object_uri)
     from vllm_fastload.vllm_plugin import early
 
@@ -45,27 +50,34 @@ def _is_object_uri(weights: object) -> bool:
     return isinstance(weights, str) and is_remote(weights)
 
 
-def _route_core_logs_to_vllm() -> None:
-    """The core logs to "vllm_fastload" (it knows nothing of vLLM); show those lines like vLLM's.
+def _route_logs_to_vllm() -> None:
+    """Show the lines of the "vllm_fastload" tree (the engine-independent code knows nothing of
+    vLLM, the adapter's own are under it) like vLLM's own, at vLLM's level unless one is set.
 
     Routed when each line is logged, not now: vLLM may configure its logging after loading plugins
     (0.32 does it lazily), and lines logged before that, or with vLLM's logging off, go where any
     library's would."""
-    core = logging.getLogger("vllm_fastload")
-    if not any(isinstance(f, _ToVllm) for f in core.filters):
-        core.addFilter(_ToVllm())
-        if core.level == logging.NOTSET:
-            from vllm import envs
+    tree = logging.getLogger("vllm_fastload")
+    if not any(isinstance(h, _ToVllm) for h in tree.handlers):
+        tree.addHandler(_ToVllm())
+        tree.propagate = False  # _ToVllm hands on what vLLM does not take, as propagating would
+        if tree.level == logging.NOTSET:
+            try:
+                from vllm import envs
 
-            core.setLevel(getattr(logging, str(envs.VLLM_LOGGING_LEVEL).upper(), logging.INFO))
+                level = getattr(logging, str(envs.VLLM_LOGGING_LEVEL).upper(), logging.INFO)
+            except (ImportError, AttributeError):  # a vLLM without it: its default
+                level = logging.INFO
+            tree.setLevel(level)
 
 
-class _ToVllm:
-    """A filter on the core's logger that hands each record to "vllm.fastload" once vLLM's
-    logging has handlers, and drops it there (vLLM's loggers do not propagate to the root)."""
+class _ToVllm(logging.Handler):
+    """On the "vllm_fastload" logger: each record of its tree to "vllm.fastload" (so vLLM's handlers
+    and format apply, and vLLM's loggers do not pass it on to the root's) once vLLM's logging has
+    handlers; before that to the root's handlers, where it would have propagated."""
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        if not logging.getLogger("vllm").handlers:
-            return True
-        logging.getLogger("vllm.fastload").handle(record)
-        return False
+    def emit(self, record: logging.LogRecord) -> None:
+        if logging.getLogger("vllm").handlers:
+            logging.getLogger("vllm.fastload").handle(record)
+        else:
+            logging.getLogger().handle(record)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import inspect
 import logging
 from collections.abc import Callable
@@ -21,7 +20,10 @@ from typing import Any
 
 from torch import nn
 
-logger = logging.getLogger("vllm.fastload")
+from vllm_fastload.events import missing_targets
+
+#: The adapter's logger, under the package's (see ``vllm_plugin``: shown in vLLM's log).
+logger = logging.getLogger("vllm_fastload.vllm_plugin")
 
 #: The releases this fastload is tested with, oldest and newest (``major.minor``, any patch).
 SUPPORTED = ((0, 29), (0, 32))
@@ -72,23 +74,9 @@ def is_supported(version: str) -> bool:
     return release is not None and SUPPORTED[0] <= release <= SUPPORTED[1]
 
 
-def _resolve(target: str) -> Any:
-    module, _, path = target.partition(":")
-    obj: Any = importlib.import_module(module)
-    for part in path.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def missing_interfaces(required: dict[str, str] | None = None) -> list[str]:
     """The names of the required interfaces this vLLM lacks."""
-    missing = []
-    for name, target in (REQUIRED if required is None else required).items():
-        try:
-            _resolve(target)
-        except (ImportError, AttributeError):
-            missing.append(name)
-    return missing
+    return missing_targets(REQUIRED if required is None else required)
 
 
 _noted = False
@@ -212,8 +200,8 @@ def allow_object_storage(load_format: str, is_object_uri: Callable[[object], boo
     if getattr(original, "_fastload_wrapped", False):
         return
 
-    def try_verify_and_update_config(self) -> None:
-        model_config = getattr(self, "model_config", None)
+    def try_verify_and_update_config(self: Any) -> Any:
+        model_config: Any = getattr(self, "model_config", None)
         weights = getattr(model_config, "model_weights", "") if model_config is not None else ""
         chosen = str(getattr(getattr(self, "load_config", None), "load_format", "")).lower()
         if chosen != load_format or not is_object_uri(weights):
@@ -224,10 +212,11 @@ def allow_object_storage(load_format: str, is_object_uri: Callable[[object], boo
         finally:
             model_config.model_weights = weights
 
-    try_verify_and_update_config._fastload_wrapped = True
-    try_verify_and_update_config.__wrapped__ = original
-    try_verify_and_update_config.__doc__ = original.__doc__
-    VllmConfig.try_verify_and_update_config = try_verify_and_update_config
+    wrapper: Any = try_verify_and_update_config
+    wrapper._fastload_wrapped = True
+    wrapper.__wrapped__ = original
+    wrapper.__doc__ = original.__doc__
+    VllmConfig.try_verify_and_update_config = wrapper
 
 
 # -- the early-start hook ----------------------------------------------------------------------
@@ -245,18 +234,19 @@ def on_config(load_format: str, callback: Callable[[Any], None]) -> None:
     if getattr(original, "_fastload_on_config", False):
         return
 
-    def try_verify_and_update_config(self) -> None:
+    def try_verify_and_update_config(self: Any) -> Any:
         result = original(self)
         chosen = str(getattr(getattr(self, "load_config", None), "load_format", "")).lower()
         if chosen == load_format:
             callback(self)
         return result
 
-    try_verify_and_update_config._fastload_on_config = True
-    try_verify_and_update_config._fastload_wrapped = getattr(original, "_fastload_wrapped", False)
-    try_verify_and_update_config.__wrapped__ = original
-    try_verify_and_update_config.__doc__ = original.__doc__
-    VllmConfig.try_verify_and_update_config = try_verify_and_update_config
+    wrapper: Any = try_verify_and_update_config
+    wrapper._fastload_on_config = True
+    wrapper._fastload_wrapped = getattr(original, "_fastload_wrapped", False)
+    wrapper.__wrapped__ = original
+    wrapper.__doc__ = original.__doc__
+    VllmConfig.try_verify_and_update_config = wrapper
 
 
 # -- post-processing ---------------------------------------------------------------------------
@@ -292,12 +282,13 @@ def post_process_module(module: nn.Module, target_device: Any) -> Any:
     module's quantization method after the step (a step may replace it)."""
     from vllm.model_executor.model_loader.utils import device_loading_context
 
-    method = quant_method(module)
+    method: Any = quant_method(module)
     moves = getattr(method, "requires_device_loading", True)  # 0.32; always before
     with device_loading_context(module, target_device) if moves else contextlib.nullcontext():
         method.process_weights_after_loading(module)
-    if hasattr(module, "update_param_tp_status"):
-        module.update_param_tp_status()
+    update_tp_status = getattr(module, "update_param_tp_status", None)
+    if update_tp_status is not None:
+        update_tp_status()
     try:
         from vllm.utils.mem_utils import release_device_memory_under_pressure
     except ImportError:

@@ -10,24 +10,22 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_fastload.model import early
-from vllm_fastload.model.early import files_to_read, load_begins, load_ends
+from vllm_fastload.model.early import files_to_read
 
-__all__ = ["files_to_read", "load_begins", "load_ends", "start"]
+__all__ = ["files_to_read", "start"]
 
 
 def start(vllm_config: Any) -> None:
     """Read the checkpoint of ``vllm_config`` into the page cache, once per path in a process tree."""
-    try:
-        model_config = vllm_config.model_config
-        path = getattr(model_config, "model_weights", "") or model_config.model
-        load_config = vllm_config.load_config
-        extra = getattr(load_config, "model_loader_extra_config", None) or {}
-        ranks = _local_ranks(vllm_config)
-    except Exception as exc:  # best effort: the loader reads at load time regardless
-        early.logger.info("fastload: no early reads (%s: %s)", type(exc).__name__, exc)
-        return
-    early.start(path, extra, ranks, "vLLM", revision=getattr(model_config, "revision", None),
-                download_dir=getattr(load_config, "download_dir", None))
+    early.start("vLLM", lambda: _settings(vllm_config))
+
+
+def _settings(vllm_config: Any) -> early.Start:
+    model_config, load_config = vllm_config.model_config, vllm_config.load_config
+    return early.Start(path=getattr(model_config, "model_weights", "") or model_config.model,
+                       extra=getattr(load_config, "model_loader_extra_config", None) or {},
+                       local_ranks=_local_ranks(vllm_config), revision=getattr(model_config, "revision", None),
+                       download_dir=getattr(load_config, "download_dir", None))
 
 
 def _local_ranks(vllm_config: Any) -> int:

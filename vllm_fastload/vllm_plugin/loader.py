@@ -17,18 +17,18 @@ from vllm.config import ModelConfig, VllmConfig
 from vllm.config.load import LoadConfig
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
-from vllm_fastload import exchange
+from vllm_fastload import exchange, policy
 from vllm_fastload.config import FastloadConfig
 from vllm_fastload.errors import CheckpointError
+from vllm_fastload.model import early
 from vllm_fastload.model.options import loader_config
 from vllm_fastload.model.rank import load_rank, model_device
 from vllm_fastload.sources import is_remote
-from vllm_fastload.vllm_plugin import compat, early, model_hooks
+from vllm_fastload.vllm_plugin import compat, model_hooks
 from vllm_fastload.vllm_plugin.cpus import reader_cpus
 from vllm_fastload.vllm_plugin.post import LayerPostProcessor
 
-# Under "vllm." so vLLM's own handlers and format apply.
-logger = logging.getLogger("vllm.fastload")
+logger = logging.getLogger("vllm_fastload.vllm_plugin")  # shown in vLLM's log (see ``vllm_plugin``)
 
 
 def _rank() -> tuple[int, int]:
@@ -47,7 +47,7 @@ class FastloadModelLoader(BaseModelLoader):
         self.config = loader_config(load_config.model_loader_extra_config, "vLLM")
         #: What the last ``load_weights`` did on this rank (also logged): for tests and tools that
         #: load in-process, e.g. tests/vllm/zoo.py.
-        self.report: dict = {}
+        self.report: dict[str, object] = {}
         #: Where vLLM post-processes, while ``load_model`` runs (None: ``load_weights`` called on
         #: its own, e.g. by a weight reload, which post-processes in its own way).
         self._post_device: torch.device | None = None
@@ -69,11 +69,8 @@ class FastloadModelLoader(BaseModelLoader):
         self._checkpoint_dir(model_config)  # an object URI is opened where it is, never downloaded
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
-        early.load_begins()  # early reads stop here: this rank reads the rest in its own order
-        try:
+        with early.loading():  # early reads stop as this rank's load begins
             self._load_weights(model, model_config)
-        finally:
-            early.load_ends()  # done or failed, this rank no longer needs what was read early
 
     # -- helpers ----------------------------------------------------------------------------
     def _load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
@@ -98,21 +95,18 @@ class FastloadModelLoader(BaseModelLoader):
         if config.cpus:
             line += f"; reader threads on CPUs {','.join(map(str, config.cpus))}"
         logger.info("%s", line)
-        self.report = {"rank": rank, "world": world, "planned": report.planned,
-                       "fallback_reason": report.fallback_reason, "bytes_read": report.bytes_read,
-                       "bytes_kept": report.bytes_kept, "bytes_total": report.bytes_total, "summary": report.summary,
-                       "post_processed": post.processed if post is not None else 0, "phases": report.phases,
-                       "cached": report.cached}
+        self.report = report.as_dict(post_processed=post.processed if post is not None else 0)
         loaded = report.loaded if post is None or report.loaded is None else report.loaded | post.added
         self._check_complete(model, model_config, loaded, path)
 
     def _rank_config(self) -> FastloadConfig:
-        """The config with this rank's reader CPUs, and a thread per CPU (4 to 16) unless set."""
+        """The config with this rank's reader CPUs, and as many threads as those CPUs want
+        (``policy.default_threads``) unless set."""
         if self._cpus is None:
             return self.config
-        update: dict = {"cpus": self._cpus}
+        update: dict[str, object] = {"cpus": self._cpus}
         if "threads" not in self.config.model_fields_set:
-            update["threads"] = max(self.config.threads, min(16, len(self._cpus)))
+            update["threads"] = max(self.config.threads, policy.default_threads(len(self._cpus)))
         return self.config.model_copy(update=update)
 
     def _post_processor(self, model: nn.Module) -> LayerPostProcessor | None:

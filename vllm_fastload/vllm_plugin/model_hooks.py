@@ -15,6 +15,7 @@ from __future__ import annotations
 import glob
 import os
 from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 
@@ -25,7 +26,7 @@ from vllm_fastload.sources import is_remote
 from vllm_fastload.vllm_plugin import compat
 
 
-def secondary_sources(model: nn.Module) -> list:
+def secondary_sources(model: nn.Module) -> list[Any]:
     """The model's further checkpoint sources (``DefaultModelLoader.Source`` objects), if any."""
     return list(getattr(model, "secondary_weights", None) or ())
 
