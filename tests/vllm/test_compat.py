@@ -91,3 +91,33 @@ def test_a_vllm_that_cannot_register_the_loader_is_warned_about_not_stopped(monk
     with caplog.at_level(logging.WARNING, logger="vllm_fastload.vllm_plugin"):
         register()
     assert any("it lacks the loader registry (register_model_loader)" in r.getMessage() for r in caplog.records)
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_the_plugin_shows_each_line_once_before_and_after_vllm_configures_its_logging(monkeypatch):
+    """Before vLLM has handlers, fastload's lines reach the root's handlers once each, also a
+    handler that sits on the package's logger too (pytest's capture does); after, they go to
+    vLLM's handlers and not to the root's."""
+    from vllm_fastload.vllm_plugin import register
+
+    register()
+    root, tree, vllm_logger = logging.getLogger(), logging.getLogger("vllm_fastload"), logging.getLogger("vllm")
+    on_root, on_both, on_vllm = _Records(), _Records(), _Records()
+    monkeypatch.setattr(vllm_logger, "handlers", [])
+    monkeypatch.setattr(root, "handlers", [on_root, on_both])
+    monkeypatch.setattr(tree, "handlers", [*tree.handlers, on_both])
+    monkeypatch.setattr(vllm_logger, "propagate", False)
+    logging.getLogger("vllm_fastload.executor").warning("before vLLM's logging")
+    monkeypatch.setattr(vllm_logger, "handlers", [on_vllm])
+    logging.getLogger("vllm_fastload.executor").warning("after vLLM's logging")
+    assert on_root.lines == ["before vLLM's logging"]
+    assert on_both.lines == ["before vLLM's logging", "after vLLM's logging"]
+    assert on_vllm.lines == ["after vLLM's logging"]
