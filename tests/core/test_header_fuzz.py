@@ -207,6 +207,9 @@ _dir = tempfile.TemporaryDirectory(prefix="fastload-fuzz-")
 _rss_start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
+#: pytest-timeout bounds the whole test, all its examples: 0.1 s each (a few ms is typical) on top
+#: of the project's 900 s, so that a long run is not cut off while a hang still ends it.
+@pytest.mark.timeout(900 + EXAMPLES // 10)
 @settings(max_examples=EXAMPLES, deadline=DEADLINE_MS, derandomize=EXAMPLES <= 1000,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(samples())
