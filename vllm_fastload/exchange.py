@@ -3,8 +3,7 @@
 A row-parallel weight's slice on a rank is part of every row. From a warm page cache that is
 cheap (row-wise ``preadv``), but an object store answers one range per request: a rank either
 pays one request per row or reads the rows whole, and at TP=2 the ranks then fetch the
-row-parallel weights twice over. (From a cold local disk the rows' pages are small scattered
-reads as well, where a block of whole rows is one large read.) Instead each rank of the group
+row-parallel weights twice over. Instead each rank of the group
 reads a contiguous block of whole rows (``row_requests``) and, once a layer is delivered, one
 ``all_to_all`` per layer sends every other rank the columns it takes from those rows. Every
 byte is fetched once in the group, in large reads.
@@ -139,13 +138,12 @@ def _split_rows(count: int, world: int) -> tuple[tuple[int, int], ...]:
 
 
 def agree(collectives: Collectives, targets: Mapping[TensorRequest, torch.Tensor] | None,
-          infos: Mapping[str, TensorInfo], scope: str | None = None) -> RowExchange | None:
+          infos: Mapping[str, TensorInfo]) -> RowExchange | None:
     """Find, with every rank of the group, the tensors all of them slice along the same later dim.
 
     Every rank must call this once (``targets`` None: this rank reads nothing by plan, e.g. it
-    falls back to whole reads, or does not offer to share; then no rank exchanges). ``scope``:
-    ranks share only if all give the same (e.g. the machine, for files each machine reads from
-    its own disk). Returns None when nothing is shared.
+    falls back to whole reads, or does not offer to share; then no rank exchanges). Returns None
+    when nothing is shared.
     """
     world = collectives.world
     try:
@@ -153,10 +151,10 @@ def agree(collectives: Collectives, targets: Mapping[TensorRequest, torch.Tensor
     except BaseException:
         collectives.all_gather_object(None)  # the others must not wait for this rank
         raise
-    offers = collectives.all_gather_object(None if mine is None else (scope, mine))
-    if any(o is None for o in offers) or len({o[0] for o in offers}) != 1:
+    offers = collectives.all_gather_object(mine)
+    if any(o is None for o in offers):
         return None
-    everyone = [o[1] for o in offers]
+    everyone = [o for o in offers if o is not None]
     shared: dict[str, SharedTensor] = {}
     for name in sorted(set.intersection(*(set(c) for c in everyone))):
         # Same shape, dtype and dim on every rank (ranks reading different copies share nothing).

@@ -62,10 +62,6 @@ MAX_GAP = 1 << 20
 NETWORK_STRIDED_MIN_SKIP = 1 << 62
 #: Defaults a network filesystem gets for the fields the user left unset.
 NETWORK_DEFAULTS: dict[str, object] = {"strided_min_skip": NETWORK_STRIDED_MIN_SKIP}
-#: ``row_exchange`` 'auto' on local files shares row reads when less than this share of the row
-#: slices' bytes is cached: cold, one O_DIRECT read of a block of whole rows per rank fetches each
-#: byte from the disk once; warm, each rank copying its own columns out of the page cache is faster.
-ROW_SHARING_COLD = 0.5
 #: The share of the memory available at start-up that early reads may fill with page cache: more
 #: would evict what the engine's start-up itself needs, for pages the load then reads anyway.
 EARLY_READS_MEMORY_SHARE = 0.5
@@ -296,70 +292,33 @@ def backend(setting: BackendSetting, device: str, *, remote: bool, gds_live: Cal
 
 
 class RowSharing(str, enum.Enum):
-    """Whether a rank offers its tensor-parallel group to share row reads (``row_exchange``), and
-    with which ranks: each rank then reads a block of whole rows and sends the others their
-    columns, instead of every rank reading its columns of every row."""
+    """Whether a rank offers its tensor-parallel group to share row reads (``row_exchange``): each
+    rank then reads a block of whole rows and sends the others their columns, instead of every
+    rank reading its columns of every row."""
 
-    #: Not offered: ``never``, no per-rank plan, or local reads that a block of rows cannot speed
-    #: up (through the page cache, a network filesystem's client cache, or a device reader).
+    #: Not offered: ``never``, or no per-rank plan (every tensor is read whole).
     OFF = "not offered"
+    #: Not offered, ``auto`` on files (a local disk, a network filesystem): each rank reading its
+    #: own columns, cold or warm, was faster than reading blocks of rows and swapping columns
+    #: (docs/benchmarks.md, "The row exchange on a local disk").
+    FILES = "not offered: files, where each rank reads its own columns"
     #: Offered to every rank of the group: ``always``, or an object store, where a row-parallel
     #: slice costs a request per row and a block of rows a few.
     GROUP = "offered to the whole group"
-    #: Offered to the ranks on this machine (which share its disk): local row slices not in the
-    #: page cache, read by the host reader with O_DIRECT.
-    MACHINE = "offered to the ranks on this machine"
-    #: Not offered, local files on this machine: no row slice, or the row slices cached (or their
-    #: share unknown), where each rank's own copies are faster.
-    NO_COLD_ROWS = "not offered: no row slices known to be cold"
 
     @property
     def offered(self) -> bool:
-        return self in (RowSharing.GROUP, RowSharing.MACHINE)
-
-    @property
-    def within_machine(self) -> bool:
-        """The offer (or the refusal) is for the ranks on this machine only."""
-        return self in (RowSharing.MACHINE, RowSharing.NO_COLD_ROWS)
+        return self is RowSharing.GROUP
 
 
-class SharingFacts(Protocol):
-    """What a rank can learn for ``row_sharing``; each may cost a probe, so it is asked only where
-    it decides something."""
-
-    @property
-    def network(self) -> bool:
-        """The checkpoint's files are on a network filesystem."""
-
-    @property
-    def backend(self) -> str:
-        """The reader backend that reads them (``backend``)."""
-
-    @property
-    def sliced_bytes(self) -> int | None:
-        """Bytes of the tensors this rank slices along a later dim (``exchange.candidates``);
-        None where it slices none so."""
-
-    @property
-    def sliced_cached(self) -> float | None:
-        """The share of those bytes in the page cache (None: cannot be told)."""
-
-
-def row_sharing(facts: SharingFacts, *, mode: Mode, planned: bool, remote: bool, direct_io: Mode,
-                cached: float | None, total_bytes: int) -> RowSharing:
+def row_sharing(*, mode: Mode, planned: bool, remote: bool) -> RowSharing:
     """Whether this rank offers to share row reads with its tensor-parallel group.
 
     Args:
-        facts: probed as they are asked for.
         mode: the ``row_exchange`` setting.
         planned: the rank reads from a per-rank plan (``plan_per_rank``, and the probe could
             describe the model's loading); without one every tensor is read whole.
         remote: the checkpoint is in an object store.
-        direct_io: the ``direct_io`` setting the reader runs with.
-        cached: the share of the whole checkpoint in the page cache as the load began (None:
-            cannot be told); where it leaves the row slices no room to be under
-            ``ROW_SHARING_COLD``, their own share is not probed.
-        total_bytes: the checkpoint's size.
 
     Returns:
         The offer.
@@ -368,18 +327,7 @@ def row_sharing(facts: SharingFacts, *, mode: Mode, planned: bool, remote: bool,
         return RowSharing.OFF
     if mode == "always" or remote:
         return RowSharing.GROUP
-    # A block of whole rows pays where it is one O_DIRECT read by the host reader.
-    if direct_io == "never" or facts.network or facts.backend != "host":
-        return RowSharing.OFF
-    part = facts.sliced_bytes
-    if part is None:
-        return RowSharing.NO_COLD_ROWS
-    if cached is not None and part:
-        at_least = 1 - (1 - cached) * total_bytes / part
-        if at_least >= ROW_SHARING_COLD:
-            return RowSharing.NO_COLD_ROWS
-    share = facts.sliced_cached
-    return RowSharing.MACHINE if share is not None and share < ROW_SHARING_COLD else RowSharing.NO_COLD_ROWS
+    return RowSharing.FILES
 
 
 def whole_reads_direct_io(direct_io: Mode, *, world: int) -> Mode:

@@ -185,62 +185,24 @@ def test_filesystem_defaults() -> None:
     assert policy.filesystem_defaults(network=True, set_fields={"strided_min_skip"}) == {}
 
 
-@dataclass
-class SharingFacts:
-    """``policy.SharingFacts`` that record which of them a decision asked for."""
-
-    network: bool = False
-    backend: str = "host"
-    sliced_bytes: int | None = None
-    sliced_cached: float | None = None
-    asked: list[str] = field(default_factory=list)
-
-    def __getattribute__(self, name: str):
-        if name in ("network", "backend", "sliced_bytes", "sliced_cached"):
-            object.__getattribute__(self, "asked").append(name)
-        return object.__getattribute__(self, name)
-
-
-#: (planned, mode, remote, direct_io, network, backend, sliced_bytes, cached, sliced_cached) -> the
-#: offer; the first matching row decides. The checkpoint is 512 bytes, so 128 sliced bytes are a
-#: quarter of it, and a share of 0.875 or more cached as the load began leaves them no room to be
-#: under ``ROW_SHARING_COLD`` (0.5). Recorded from ``model.rank._Sharing.offer`` before the decision
-#: moved here, over every combination below (its scope: this machine for MACHINE and NO_COLD_ROWS).
+#: (planned, mode, remote) -> the offer; the first matching row decides. ``auto`` shares on object
+#: stores only: on files each rank reading its own columns was faster, cold and warm.
 ROW_SHARING = [
-    ((False, ANY, ANY, ANY, ANY, ANY, ANY, ANY, ANY), RowSharing.OFF),
-    ((True, "never", ANY, ANY, ANY, ANY, ANY, ANY, ANY), RowSharing.OFF),
-    ((True, "always", ANY, ANY, ANY, ANY, ANY, ANY, ANY), RowSharing.GROUP),
-    ((True, "auto", True, ANY, ANY, ANY, ANY, ANY, ANY), RowSharing.GROUP),
-    ((True, "auto", False, "never", ANY, ANY, ANY, ANY, ANY), RowSharing.OFF),
-    ((True, "auto", False, ANY, True, ANY, ANY, ANY, ANY), RowSharing.OFF),
-    ((True, "auto", False, ANY, False, "cuda", ANY, ANY, ANY), RowSharing.OFF),
-    ((True, "auto", False, ANY, False, "host", None, ANY, ANY), RowSharing.NO_COLD_ROWS),
-    ((True, "auto", False, ANY, False, "host", 128, {0.875, 0.9}, ANY), RowSharing.NO_COLD_ROWS),
-    ((True, "auto", False, ANY, False, "host", 128, ANY, 0.2), RowSharing.MACHINE),
-    ((True, "auto", False, ANY, False, "host", 128, ANY, ANY), RowSharing.NO_COLD_ROWS),
+    ((False, ANY, ANY), RowSharing.OFF),
+    ((True, "never", ANY), RowSharing.OFF),
+    ((True, "always", ANY), RowSharing.GROUP),
+    ((True, "auto", True), RowSharing.GROUP),
+    ((True, "auto", False), RowSharing.FILES),
 ]
 
 
-@pytest.mark.parametrize("planned,mode,remote,direct_io,network,backend,sliced,cached", list(itertools.product(
-    [True, False], ["auto", "always", "never"], [False, True], ["auto", "always", "never"], [False, True],
-    ["host", "cuda"], [None, 128], [None, 0.0, 0.874, 0.875, 0.9])))
-def test_row_sharing_table(planned, mode, remote, direct_io, network, backend, sliced, cached) -> None:
-    for sliced_cached in (None, 0.2, 0.5, 0.8):
-        facts = SharingFacts(network, backend, sliced, sliced_cached)
-        key = (planned, mode, remote, direct_io, network, backend, sliced, cached, sliced_cached)
-        want = next(out for row, out in ROW_SHARING if _matches(row, key))
-        got = policy.row_sharing(facts, mode=mode, planned=planned, remote=remote, direct_io=direct_io,
-                                 cached=cached, total_bytes=512)
-        assert got is want, key
-        assert got.offered == (want in (RowSharing.GROUP, RowSharing.MACHINE))
-        # Probes in the order the rank made them, each only where it decides something.
-        local = planned and mode == "auto" and not remote and direct_io != "never"
-        wants = ["network"] if local else []
-        wants += ["backend"] if local and not network else []
-        wants += ["sliced_bytes"] if local and not network and backend == "host" else []
-        bound = cached is not None and sliced and 1 - (1 - cached) * 4 >= policy.ROW_SHARING_COLD
-        wants += ["sliced_cached"] if wants[-1:] == ["sliced_bytes"] and sliced and not bound else []
-        assert facts.asked == wants, key
+@pytest.mark.parametrize("planned,mode,remote", list(itertools.product(
+    [True, False], ["auto", "always", "never"], [False, True])))
+def test_row_sharing_table(planned, mode, remote) -> None:
+    want = next(out for row, out in ROW_SHARING if _matches(row, (planned, mode, remote)))
+    got = policy.row_sharing(mode=mode, planned=planned, remote=remote)
+    assert got is want
+    assert got.offered == (want is RowSharing.GROUP)
 
 
 @pytest.mark.parametrize("direct_io,world,want", [

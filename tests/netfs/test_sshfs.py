@@ -152,7 +152,7 @@ def test_no_row_exchange_by_default_on_a_network_filesystem(mounted: Path, local
     from vllm_fastload.model.rank import _Sharing
     from vllm_fastload.plan import TensorRequest
 
-    def offer(**settings) -> tuple[bool, str | None]:
+    def offer(**settings) -> bool:
         config = FastloadConfig(progress=False, **settings)
         with vllm_fastload.open(mounted, config=config) as ckpt:
             evict(sorted(str(p) for p in local_checkpoint.glob("*.safetensors")))  # the server's pages
@@ -162,6 +162,6 @@ def test_no_row_exchange_by_default_on_a_network_filesystem(mounted: Path, local
             sharing.decide(config, ckpt, infos)
             return sharing.offer({TensorRequest(name, dim=1, start=0, length=infos[name].shape[1] // 2): None})
 
-    assert offer() == (False, None)
-    assert offer(row_exchange="always") == (True, None)
-    assert offer(row_exchange="never") == (False, None)
+    assert offer() is False
+    assert offer(row_exchange="always") is True
+    assert offer(row_exchange="never") is False

@@ -1,6 +1,6 @@
 """Whether a rank offers to share row reads with its tensor-parallel group (``rank._Sharing``, as
-``policy.row_sharing`` decides), decided on a real local disk, cold and warm; and that ranks agree,
-or all decline, without one left waiting. (The network-filesystem case runs on a real sshfs mount in tests/netfs.)"""
+``policy.row_sharing`` decides), on a real local disk, cold and warm; and that ranks agree, or all
+decline, without one left waiting. (The network-filesystem case runs on a real sshfs mount in tests/netfs.)"""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from vllm_fastload.bench.machine import evict
 from vllm_fastload.config import FastloadConfig
 from vllm_fastload.format import TensorInfo
 from vllm_fastload.model import rank as rank_module
-from vllm_fastload.model.rank import _machine, _Sharing
+from vllm_fastload.model.rank import _Sharing
 from vllm_fastload.plan import TensorRequest
 from vllm_fastload.tools.checkpoints import write_checkpoint
 
@@ -35,70 +35,35 @@ def _open(where: Path, **settings) -> tuple[vllm_fastload.FastCheckpoint, Fastlo
     return ckpt, config, infos, targets
 
 
-def offer(where: Path, *, evicted: bool = False, **settings) -> tuple[bool, str | None]:
+def offer(where: Path, *, evicted: bool = False, **settings) -> bool:
     ckpt, config, infos, targets = _open(where, **settings)
     with ckpt:
         if evicted:  # after opening: reading the headers must not warm what is judged
             evict(list(ckpt.checkpoint.files))
         sharing = _Sharing(None)
-        sharing.decide(config, ckpt, infos, ckpt.cached_share())  # as a rank's load measures it first
+        sharing.decide(config, ckpt, infos)
         return sharing.offer(targets)
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    path = write_checkpoint(tmp_path_factory.mktemp("sharing") / "ckpt", "tiny-llama", files=2)
-    files = sorted(str(p) for p in path.glob("*.safetensors"))
-    evict(files)
-    with vllm_fastload.open(path, config={"progress": False}) as ckpt:
-        if ckpt.cached_share(ROW_SLICES) > 0.5:
-            pytest.skip("this filesystem keeps files cached after POSIX_FADV_DONTNEED (tmpfs?)")
-    return path
+    return write_checkpoint(tmp_path_factory.mktemp("sharing") / "ckpt", "tiny-llama", files=2)
 
 
-def test_a_cold_local_disk_shares_within_the_machine_and_a_warm_one_does_not(checkpoint: Path):
-    assert offer(checkpoint, evicted=True) == (True, _machine())
-    assert len(_machine()) >= 8  # the boot id (or the host name), the same for every rank here
-    for path in checkpoint.glob("*.safetensors"):  # warm: each rank's own copies are faster
-        path.read_bytes()
-    assert offer(checkpoint) == (False, _machine())
-    # Explicit settings, and the cases 'auto' leaves alone, cold as well as warm.
+def test_local_files_are_read_by_each_rank_cold_or_warm_unless_told_to_share(checkpoint: Path):
+    """``auto`` shares on object stores only: on a local disk each rank reading its own columns
+    was faster, cold and warm (docs/benchmarks.md)."""
     for evicted in (True, False):
-        assert offer(checkpoint, evicted=evicted, row_exchange="always") == (True, None)
-        assert offer(checkpoint, evicted=evicted, row_exchange="never") == (False, None)
-        assert offer(checkpoint, evicted=evicted, plan_per_rank=False) == (False, None)
-        assert offer(checkpoint, evicted=evicted, direct_io="never") == (False, None)
+        if not evicted:
+            for path in checkpoint.glob("*.safetensors"):
+                path.read_bytes()
+        assert offer(checkpoint, evicted=evicted) is False
+        assert offer(checkpoint, evicted=evicted, row_exchange="always") is True
+        assert offer(checkpoint, evicted=evicted, row_exchange="never") is False
+        assert offer(checkpoint, evicted=evicted, row_exchange="always", plan_per_rank=False) is False
 
 
-def test_a_warm_checkpoint_is_judged_by_its_share_at_open(checkpoint: Path, monkeypatch):
-    """Where the share of the checkpoint cached as the load began leaves the row slices no room to
-    be under ``policy.ROW_SHARING_COLD``, ``offer`` declines without asking about each tensor's pages; just below that
-    bound, or with no share known, it asks, and what it asks decides."""
-    for path in checkpoint.glob("*.safetensors"):
-        path.read_bytes()
-    asked: list[list[str]] = []
-    real = vllm_fastload.FastCheckpoint.cached_share
-
-    def answer(self, names=None):
-        if names is not None:
-            asked.append(sorted(names))
-            return 0.0  # what a cold disk would say: sharing pays
-        return real(self, names)
-
-    monkeypatch.setattr(vllm_fastload.FastCheckpoint, "cached_share", answer)
-    ckpt, config, infos, targets = _open(checkpoint)
-    with ckpt:
-        sliced = sum(infos[name].nbytes for name in ROW_SLICES) / ckpt.checkpoint.total_bytes
-        bound = 1 - (1 - policy.ROW_SHARING_COLD) * sliced  # the lowest share at open that rules them out
-        for share, asks in ((1.0, False), (bound + 1e-9, False), (bound - 1e-6, True), (0.0, True), (None, True)):
-            asked.clear()
-            sharing = _Sharing(None)
-            sharing.decide(config, ckpt, infos, share)
-            assert sharing.offer(targets) == (asks, _machine()), share
-            assert asked == ([sorted(ROW_SLICES)] if asks else []), share
-
-
-def _agree_on_threads(world: int, offers: list, scopes: list) -> list:
+def _agree_on_threads(world: int, offers: list) -> list:
     """Each rank's ``exchange.agree`` result (or its exception), with ranks running as threads."""
     collectives = ThreadCollectives(world)
     results: list = [None] * world
@@ -107,8 +72,7 @@ def _agree_on_threads(world: int, offers: list, scopes: list) -> list:
     def run(rank: int) -> None:
         targets = {TensorRequest("w", dim=1, start=rank * 4, length=4): torch.empty(4, 4)}
         try:
-            results[rank] = exchange.agree(collectives.for_rank(rank), targets if offers[rank] else None, infos,
-                                           scope=scopes[rank])
+            results[rank] = exchange.agree(collectives.for_rank(rank), targets if offers[rank] else None, infos)
         except BaseException as exc:  # reported to the test
             results[rank] = exc
 
@@ -121,30 +85,30 @@ def _agree_on_threads(world: int, offers: list, scopes: list) -> list:
     return results
 
 
-def test_ranks_share_only_within_one_scope():
-    together = _agree_on_threads(2, [True, True], ["machine-a", "machine-a"])
+def test_ranks_share_only_if_every_rank_offers():
+    together = _agree_on_threads(2, [True, True])
     assert all(isinstance(r, exchange.RowExchange) and set(r.shared) == {"w"} for r in together)
-    assert _agree_on_threads(2, [True, True], ["machine-a", "machine-b"]) == [None, None]
-    assert _agree_on_threads(2, [True, False], ["machine-a", "machine-a"]) == [None, None]
+    assert _agree_on_threads(2, [True, False]) == [None, None]
 
 
 def test_a_rank_whose_decision_fails_still_agrees(checkpoint: Path, monkeypatch):
-    """``offer`` raising on one rank (here ``cached_share``) must not leave the other rank
-    waiting in the agreement: that rank declines, logs why, and both go on without sharing."""
+    """``offer`` raising on one rank must not leave the other rank waiting in the agreement: that
+    rank declines, logs why, and both go on without sharing."""
     collectives = ThreadCollectives(2)
     results: list = [None, None]
+    decide = policy.row_sharing
 
-    def broken(self, names):
+    def broken(**facts):
         if threading.current_thread().name == "rank-1":
-            raise OSError("mincore failed")
-        return 0.0
+            raise OSError("no decision")
+        return decide(**facts)
 
-    monkeypatch.setattr(vllm_fastload.FastCheckpoint, "cached_share", broken)
+    monkeypatch.setattr(policy, "row_sharing", broken)
     warnings: list[str] = []
     monkeypatch.setattr(rank_module.logger, "warning", lambda msg, *args: warnings.append(msg % args))
 
     def run(r: int) -> None:
-        ckpt, config, infos, targets = _open(checkpoint)
+        ckpt, config, infos, targets = _open(checkpoint, row_exchange="always")
         with ckpt:
             sharing = _Sharing(collectives.for_rank(r))
             sharing.decide(config, ckpt, infos)
@@ -158,7 +122,7 @@ def test_a_rank_whose_decision_fails_still_agrees(checkpoint: Path, monkeypatch)
         t.join(timeout=30)
     assert not any(t.is_alive() for t in threads), "a rank is still waiting in the agreement"
     assert results == [(None, None), (None, None)]
-    assert warnings == ["fastload: not sharing row reads with the other ranks: mincore failed"]
+    assert warnings == ["fastload: not sharing row reads with the other ranks: no decision"]
 
 
 def test_the_decision_is_logged_once_per_load_with_its_facts(checkpoint: Path):
@@ -176,12 +140,11 @@ def test_the_decision_is_logged_once_per_load_with_its_facts(checkpoint: Path):
     try:
         with ckpt:
             sharing = _Sharing(None)
-            sharing.decide(config, ckpt, infos, 1.0)
-            assert sharing.offer(targets) == sharing.offer(targets) == (False, _machine())
+            sharing.decide(config, ckpt, infos)
+            assert sharing.offer(targets) is sharing.offer(targets) is False
     finally:
         tree.removeHandler(handler)
         tree.setLevel(level)
     lines = [r.getMessage() for r in records if "row exchange" in r.getMessage()]
-    assert lines == ["fastload: row exchange: not offered: no row slices known to be cold (setting=auto, "
-                     "remote=False, cached=1.0, network=False, backend=host, sliced_bytes="
-                     f"{sum(infos[name].nbytes for name in ROW_SLICES)})"]
+    assert lines == ["fastload: row exchange: not offered: files, where each rank reads its own columns "
+                     "(setting=auto, remote=False)"]

@@ -44,14 +44,12 @@ def assert_ok(result: dict) -> None:
 def test_fastload_equals_default_loader(arch, tp, checkpoints, scenarios, tmp_path):
     extra, env = None, None
     # Two of the TP=2 runs share row-parallel weights between the ranks (the row exchange, which
-    # object stores and cold local disks use by default) instead of each rank reading its columns
-    # of every row.
+    # object stores use by default) instead of each rank reading its columns of every row.
     exchanged = tp == 2 and arch in ("llama-gqa", "mixtral")
     if exchanged:
         extra = {"row_exchange": "always"}
-    # With the defaults the ranks share row reads when the checkpoint is not in the page cache as
-    # the load begins: this start finds it evicted, and without early reads it stays so (the other
-    # starts find it as the host left it, so either way).
+    # One start reads from a cold disk: it finds the checkpoint evicted, and without early reads it
+    # stays so (the other starts find it as the host left it, so either way).
     cold = tp == 2 and arch == "qwen2"
     if cold:
         extra = {"early_reads": "never"}

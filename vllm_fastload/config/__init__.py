@@ -122,9 +122,9 @@ class FastloadConfig(BaseSettings):
         "auto", description="vLLM loader at TP>1: ranks that each take a column slice of a tensor "
         "(row-parallel weights) read disjoint blocks of whole rows instead and swap the columns over "
         "the tensor-parallel group, so that each byte is fetched once per group in large reads. "
-        "'auto': for object stores (one request per row otherwise), and for local disks read by the "
-        "host backend when the row slices are not in the page cache and the group is on one machine; "
-        "'always': for every source; 'never': each rank reads its own columns.")
+        "'auto': for object stores (one request per row otherwise); on files each rank reads its own "
+        "columns, which is faster there, cold or warm; 'always': for every source; 'never': each rank "
+        "reads its own columns.")
     map_cached: bool = Field(True, description="host backend, local files, direct_io not 'always': "
                              "iter_tensors hands out tensors that are (mostly) in the page cache, and with "
                              "direct_io 'never' all of them, as views of a private mapping of the file (as "

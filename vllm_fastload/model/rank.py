@@ -5,7 +5,7 @@
 2. Plan: whole tensors and narrows are read straight into the parameters, other writes from
    slabs replayed afterwards, tensors no write takes are not read (see ``reads``).
 3. Read: one aggregated pass in layer order through the core reader, firing layer events; at
-   TP>1 on object stores and cold local disks the ranks share row reads (see ``exchange``).
+   TP>1 on object stores the ranks share row reads (see ``exchange``).
 If the probe cannot describe the model's loading, every tensor is read in full and handed to
 ``model.load_weights`` for real, the way the engines' default loaders do it.
 
@@ -18,10 +18,8 @@ engines' own layers.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import math
-import socket
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -156,7 +154,7 @@ class _Load:
         with self.open(self.config if self.config.plan_per_rank else whole) as ckpt:
             cached = ckpt.cached_share()
             infos = {name: ckpt.info(name) for name in ckpt.keys()}
-            self.sharing.decide(self.config, ckpt, infos, cached)
+            self.sharing.decide(self.config, ckpt, infos)
             tensors = {name: (shape_of(info), dtype_of(info)) for name, info in infos.items()}
             probe = (probe_model(self.model, tensors, self.load_weights) if self.config.plan_per_rank else
                      ProbeResult(unsupported=["plan_per_rank is false in the fastload config"]))
@@ -352,28 +350,20 @@ class _Sharing:
         self.config: FastloadConfig | None = None
         self.ckpt: FastCheckpoint | None = None
         self.infos: dict[str, TensorInfo] = {}
-        self.cached: float | None = None
 
-    def decide(self, config: FastloadConfig, ckpt: FastCheckpoint, infos: dict[str, TensorInfo],
-               cached: float | None = None) -> None:
-        """What this rank will offer, once the checkpoint is open (``cached``: the share of it in
-        the page cache then)."""
-        self.config, self.ckpt, self.infos, self.cached = config, ckpt, infos, cached
+    def decide(self, config: FastloadConfig, ckpt: FastCheckpoint, infos: dict[str, TensorInfo]) -> None:
+        """What this rank will offer, once the checkpoint is open."""
+        self.config, self.ckpt, self.infos = config, ckpt, infos
 
-    def offer(self, targets: Mapping[TensorRequest, torch.Tensor | None] | None) -> tuple[bool, str | None]:
-        """Whether this rank offers to share the row reads of ``targets``, and the scope within
-        which it does (local files: this machine, whose disk and page cache the ranks share)."""
+    def offer(self, targets: Mapping[TensorRequest, torch.Tensor | None] | None) -> bool:
+        """Whether this rank offers to share the row reads of ``targets``."""
         if self.config is None or self.ckpt is None:
-            return False, None
-        ckpt = self.ckpt
-        facts = _SharingFacts(ckpt, self.infos, targets or {})
-        decision = policy.row_sharing(facts, mode=self.config.row_exchange,
-                                      planned=self.config.plan_per_rank and targets is not None,
-                                      remote=ckpt.checkpoint.is_remote, direct_io=ckpt.config.direct_io,
-                                      cached=self.cached, total_bytes=ckpt.checkpoint.total_bytes)
-        self.decisions.note("row exchange", decision, setting=self.config.row_exchange,
-                            remote=ckpt.checkpoint.is_remote, cached=self.cached, **facts.known())
-        return decision.offered, _machine() if decision.within_machine else None
+            return False
+        remote = self.ckpt.checkpoint.is_remote
+        decision = policy.row_sharing(mode=self.config.row_exchange, remote=remote,
+                                      planned=self.config.plan_per_rank and targets is not None)
+        self.decisions.note("row exchange", decision, setting=self.config.row_exchange, remote=remote)
+        return decision.offered
 
     def agree(self, targets: Mapping[TensorRequest, torch.Tensor] | None) -> exchange.RowExchange | None:
         """Agree with the group (once; after that, None) on the row reads to share, offering
@@ -381,16 +371,16 @@ class _Sharing:
         if not self.pending or self.collectives is None:
             return None
         try:
-            offered, scope = self.offer(targets)
+            offered = self.offer(targets)
         except Exception as exc:  # a default's guess must not fail the load; the reads will tell
             logger.warning("fastload: not sharing row reads with the other ranks: %s", exc)
-            offered, scope = False, None
+            offered = False
         except BaseException:
             self.pending = False
             exchange.agree(self.collectives, None, self.infos)  # the others must not wait for this rank
             raise
         self.pending = False
-        return exchange.agree(self.collectives, targets if offered else None, self.infos, scope=scope)
+        return exchange.agree(self.collectives, targets if offered else None, self.infos)
 
     def give_up(self) -> None:
         """Agree to nothing if not agreed yet; a failure here (a peer already gone) is logged, so
@@ -399,58 +389,6 @@ class _Sharing:
             self.agree(None)
         except Exception as exc:
             logger.warning("fastload: could not tell the other ranks that this one stopped: %s", exc)
-
-
-class _SharingFacts:
-    """What ``policy.row_sharing`` may ask of an open checkpoint, each probed on first access."""
-
-    def __init__(self, ckpt: FastCheckpoint, infos: Mapping[str, TensorInfo],
-                 targets: Mapping[TensorRequest, object]) -> None:
-        self._ckpt, self._infos, self._targets = ckpt, infos, targets
-        self._known: dict[str, object] = {}
-
-    @property
-    def network(self) -> bool:
-        if "network" not in self._known:
-            self._known["network"] = self._ckpt.on_network_filesystem
-        return bool(self._known["network"])
-
-    @property
-    def backend(self) -> str:
-        if "backend" not in self._known:
-            self._known["backend"] = self._ckpt.reader.name
-        return str(self._known["backend"])
-
-    @functools.cached_property
-    def _sliced(self) -> dict[str, exchange.Candidate]:
-        return exchange.candidates(self._targets, self._infos)
-
-    @property
-    def sliced_bytes(self) -> int | None:
-        if "sliced_bytes" not in self._known:
-            self._known["sliced_bytes"] = sum(self._infos[n].nbytes for n in self._sliced) if self._sliced else None
-        value = self._known["sliced_bytes"]
-        return value if isinstance(value, int) else None
-
-    @property
-    def sliced_cached(self) -> float | None:
-        if "sliced_cached" not in self._known:
-            self._known["sliced_cached"] = self._ckpt.cached_share(self._sliced)
-        value = self._known["sliced_cached"]
-        return value if isinstance(value, float) else None
-
-    def known(self) -> dict[str, object]:
-        """The facts probed so far (for the decision's log line)."""
-        return dict(self._known)
-
-
-def _machine() -> str:
-    """This machine, as long as it runs: its boot id (Linux), else its host name."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return socket.gethostname()
 
 
 def _check_fully_written(probe: ProbeResult, path: str) -> None:
