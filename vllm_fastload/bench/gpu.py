@@ -782,7 +782,7 @@ def _report(rows: dict[tuple[str, str, str], Row], limits: dict, s: Setup, confi
                 ref = anchor(cache, a)
                 verdict(f"{name} TP=1 {cache}: ahead of {a} (time ratio < 1)",
                         tp1.median / ref.median if tp1 and ref else None, 1.0,
-                        note=skipped.get(a, "not measured in this run") if ref is None else "")
+                        note=skipped.get(a, "not measured") if ref is None else "")
             tp2 = rows.get((cache, name, TP2))
             verdict(f"{name} TP=2 rank 1 {cache}: time <= 0.6x its TP=1 time",
                     tp2.median / tp1.median if tp2 and tp1 else None, 0.6)

@@ -50,7 +50,7 @@ from pathlib import Path
 from vllm_fastload.tools.checkpoints import LLAMA3_8B, ModelSpec, write_random_checkpoint
 
 GB = 1e9
-#: The files this run leaves in ``--out`` (a device call brings back at most 8).
+#: The files the benchmark leaves in ``--out`` (a device call brings back at most 8).
 FILES = ("gpu-vllm.json", "gpu-vllm.md", "gpu-vllm-logs.txt")
 #: Prompts as token ids (no tokenizer: the checkpoints have none), taken modulo the vocabulary.
 PROMPTS = [[1, 306, 4966, 304, 1207, 263, 5807], [2, 450, 7483, 310, 278], [3, 17, 99, 1000, 4, 8, 15, 16, 23]]
@@ -186,8 +186,8 @@ def _say(*parts: object) -> None:
 
 # -- page cache ------------------------------------------------------------------------------------
 def make_cold(files: list[str], device: str) -> dict:
-    """Drop the checkpoint from the page cache: on the GPU machine (a machine of this run's own,
-    run as root) the whole cache, as a cold start finds it; elsewhere (a shared machine) only the
+    """Drop the checkpoint from the page cache: on the GPU machine (lent to the
+    benchmark alone, run as root) the whole cache, as a cold start finds it; elsewhere (a shared machine) only the
     checkpoint's pages. Returns how, and how much of the checkpoint stayed cached."""
     from vllm_fastload.bench.gpu import resident_fraction
     from vllm_fastload.bench.machine import evict

@@ -84,9 +84,9 @@ CACHE_ENV = "FASTLOAD_DEV_BENCH_CACHE"
 def _set_cache_state(cache: str | None, model_config, rank: int) -> None:
     """Keep a warm cache warm right before the clock starts, not only before vLLM starts.
 
-    vLLM takes ~30 s from its start to ``load_weights``, and a VM may reclaim page cache it finds
-    idle meanwhile (ours runs DAMON with a ``pageout`` scheme for memory idle ~60 s): a "warm" run
-    read up to 1 GB from disk before this. Rank 0 does it for all ranks (they share the page cache).
+    vLLM's start-up runs for tens of seconds before ``load_weights``, and a host may reclaim page
+    cache it finds idle meanwhile (DAMON's ``pageout`` scheme does): a "warm" run would then read
+    from disk. Rank 0 does it for all ranks (they share the page cache).
     A cold cache is made cold before the process starts (``bench.vllm``), never here: whatever a
     loader reads before ``load_weights`` (early reads) must count as the time it saves.
     """
