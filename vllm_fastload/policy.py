@@ -17,7 +17,7 @@ import enum
 import logging
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Generic, Literal, Protocol, TypeVar
 
 logger = logging.getLogger("vllm_fastload")
 
@@ -419,6 +419,46 @@ def early_reads(facts: EarlyFacts) -> EarlyReads:
     if mode == "auto" and not all(reads_early_by_default(fs) for fs in facts.filesystems):
         return EarlyReads.NETWORK
     return EarlyReads.READ
+
+
+class Headroom(Protocol):
+    """A memory limit as ``early_reads_memory`` sees it (``sources.memory_limits.MemoryLimit``)."""
+
+    @property
+    def free(self) -> int:
+        """Bytes that may still be filled under it."""
+
+
+#: The kind of limit a decision was made from.
+H = TypeVar("H", bound=Headroom)
+
+
+@dataclass(frozen=True)
+class EarlyReadsMemory(Generic[H]):
+    """Whether a checkpoint fits the memory early reads may fill, and under which limit."""
+
+    #: The checkpoint fits in ``allowed``.
+    fits: bool
+    #: The limit with the least free under it: the one that decided.
+    limit: H
+    #: Bytes early reads may fill: ``EARLY_READS_MEMORY_SHARE`` of what is free under ``limit``.
+    allowed: int
+
+
+def early_reads_memory(size: int, limits: Iterable[H]) -> EarlyReadsMemory[H]:
+    """Whether ``size`` bytes of checkpoint fit in the page cache early reads may fill: a share
+    (``EARLY_READS_MEMORY_SHARE``) of the least free under any of ``limits`` (the machine's
+    available memory, every cgroup memory limit over the process), since page cache counts against
+    each of them.
+
+    Example:
+        >>> from types import SimpleNamespace as L
+        >>> early_reads_memory(3 << 30, [L(free=20 << 30), L(free=5 << 30)]).fits
+        False
+    """
+    lowest = min(limits, key=lambda limit: limit.free)
+    allowed = int(lowest.free * EARLY_READS_MEMORY_SHARE)
+    return EarlyReadsMemory(size <= allowed, lowest, allowed)
 
 
 class DecisionLog:

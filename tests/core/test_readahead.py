@@ -71,11 +71,6 @@ def test_a_file_that_cannot_be_read_is_skipped(cold_file: Path, tmp_path: Path):
     assert _cached_share(cold_file) == 1.0
 
 
-def test_available_memory_is_positive_and_below_the_machine():
-    total = readahead._meminfo("MemTotal")
-    assert 0 < readahead.available_memory() <= total
-
-
 def _drop(path: Path, offset: int, length: int) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -5,7 +5,8 @@ construction) before any rank loads weights; meanwhile the disk sits idle. The p
 the engine's arguments knows the checkpoint long before that, but not the model, so not the
 per-rank plan: it asks the kernel to read every file of a local checkpoint into the page cache (the
 node's ranks share it), in a process of its own and on CPU time nothing else wants, where the checkpoint
-fits in half of the memory available (``early_reads``: by default on local filesystems).
+fits in half of the memory free under the lowest memory limit (``policy.early_reads_memory``: the
+machine's, and every cgroup's over the process) (``early_reads``: by default on local filesystems).
 The rank's load then finds the pages cached and copies them out. The reads stop when the first
 rank's load begins (it reads what is missing itself), and the files stay mapped in the reading
 process until every rank of this node has loaded (each leaves marks, see ``load_begins`` and
@@ -72,7 +73,8 @@ def start(engine: str, settings: Callable[[], Start]) -> None:
 
 
 def _start(start: Start, engine: str) -> None:
-    from vllm_fastload.sources.readahead import LoadMarks, available_memory, read_ahead
+    from vllm_fastload.sources.memory_limits import memory_limits
+    from vllm_fastload.sources.readahead import LoadMarks, read_ahead
 
     path, local_ranks = start.path, start.local_ranks
     if os.environ.get(STARTED_ENV) == path or _is_rank() or local_ranks < 1:
@@ -83,20 +85,28 @@ def _start(start: Start, engine: str) -> None:
     files = files_to_read(path, start.extra, revision=start.revision, download_dir=start.download_dir)
     if not files:
         return
+    total = sum(os.path.getsize(f) for f in files)
+    memory = policy.early_reads_memory(total, memory_limits())
+    policy.DecisionLog().note("early reads memory", memory.fits, size=total, allowed=memory.allowed,
+                              limit=memory.limit)
+    if not memory.fits:
+        logger.info("fastload: no early reads: the checkpoint (%.2f GB) exceeds the %.2f GB early reads may fill "
+                    "(%.0f%% of the free memory under the lowest limit: %s); it is read at load time",
+                    total / 1e9, memory.allowed / 1e9, 100 * policy.EARLY_READS_MEMORY_SHARE, memory.limit.describe())
+        return
     marks = LoadMarks(local_ranks)  # removed when the reads end, or at this process's exit
     os.environ[MARKS_ENV] = marks.directory
     reads = None
     try:
-        limit = int(available_memory() * policy.EARLY_READS_MEMORY_SHARE)
-        reads = read_ahead(files, limit=limit, hold=marks, hold_s=HOLD_S)
+        reads = read_ahead(files, limit=memory.allowed, hold=marks, hold_s=HOLD_S)
     finally:
         if reads is None:
             marks.remove()
             os.environ.pop(MARKS_ENV, None)
     if reads is not None:
         source = "" if os.path.isdir(path) else f" of {path} (its cached snapshot {_snapshot_of(files[0])})"
-        logger.info("fastload: early reads: %d checkpoint files (%.2f GB)%s into the page cache while %s starts",
-                    len(files), sum(os.path.getsize(f) for f in files) / 1e9, source, engine)
+        logger.info("fastload: early reads: %d checkpoint files (%.2f GB)%s into the page cache while %s starts "
+                    "(the lowest memory limit: %s)", len(files), total / 1e9, source, engine, memory.limit.describe())
 
 
 def files_to_read(path: str, extra: dict[str, Any], *, revision: str | None = None,

@@ -21,7 +21,8 @@ unmapped page cache); they show in the reading process's RSS while held. Where t
 ``MADV_POPULATE_READ`` (before Linux 5.14) each chunk is read through one small reused buffer
 instead, and nothing is held. A file that cannot be read is skipped: the loader reads it at load
 time and reports what is wrong. The caller bounds it by memory: the files are read only if they
-fit in a share of the memory available now (``available_memory``).
+fit in a share of the memory free under the lowest memory limit now (``memory_limits``,
+``policy.early_reads_memory``).
 """
 
 from __future__ import annotations
@@ -40,20 +41,30 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
+from types import ModuleType
 from typing import Any
 
+
+def _beside(name: str) -> ModuleType:
+    """A module of this directory, by its path: run as a script (``-I -S``), this file cannot
+    import the package."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"_fastload_{name}", os.path.join(os.path.dirname(__file__),
+                                                                                    f"{name}.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)
+    return module
+
+
+if __name__ != "__main__":
+    from vllm_fastload.sources import memory_limits
+else:
+    memory_limits = _beside("memory_limits")
+
 logger = logging.getLogger("vllm_fastload")
-
-
-def available_memory() -> int:
-    """Bytes this process could fill with page cache without evicting what others use: the
-    kernel's ``MemAvailable``, lowered to the cgroup's headroom where a memory limit is set
-    (page cache counts against a container's limit)."""
-    available = _meminfo("MemAvailable")
-    limit, used = _cgroup("memory.max"), _cgroup("memory.current")
-    if limit is not None and used is not None:
-        available = min(available, max(limit - used, 0))
-    return available
 
 
 def read_ahead(paths: Sequence[str], *, limit: int, hold: LoadMarks | None = None,
@@ -145,7 +156,8 @@ CHUNK = 16 << 20
 MADV_POPULATE_READ = 22  # Linux 5.14
 #: Seconds between two looks for the loads' marks.
 POLL_S = 0.2
-#: Held files are let go early when less than this share of the machine's memory is available.
+#: Held files are let go early when less than this share of a memory limit (the machine's memory,
+#: a cgroup's limit) is free under it.
 LOW_MEMORY = 0.1
 
 
@@ -221,7 +233,9 @@ def _run_normally() -> None:
 
 
 def _memory_low(share: float) -> bool:
-    return available_memory() < share * _meminfo("MemTotal")
+    """Whether less than ``share`` of some memory limit (the machine's memory, a cgroup's limit)
+    is free under it."""
+    return any(limit.free < share * limit.limit for limit in memory_limits.memory_limits())
 
 
 def _read_in(paths: list[str], *, hold: bool = False,
@@ -345,24 +359,6 @@ def mark_load(directory: str, *, ended: bool) -> None:
             pass
     except OSError:
         pass
-
-
-def _meminfo(key: str) -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            name, _, value = line.partition(":")
-            if name == key:
-                return int(value.split()[0]) * 1024
-    return 0
-
-
-def _cgroup(name: str) -> int | None:
-    try:
-        with open(f"/sys/fs/cgroup/{name}") as f:
-            text = f.read().strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None
 
 
 if __name__ == "__main__":

@@ -208,9 +208,10 @@ def _shards(shapes: list[_Shape], total: int, files: int, max_shard_bytes: int |
     return shards
 
 
-def _write_random_file(path: Path, shard: list[_Shape], dtype: str, block: memoryview, rng: Any, step: int) -> None:
+def _write_random_file(path: Path, shard: list[_Shape], dtype: str, block: memoryview | None, rng: Any,
+                       step: int) -> None:
     """One safetensors file of ``shard``'s tensors, each piece a rotation of ``block`` by a
-    multiple of ``step`` bytes, fsynced."""
+    multiple of ``step`` bytes (no ``block``: a hole, zeros the disk does not hold), fsynced."""
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, shape, nbytes in shard:
@@ -221,8 +222,10 @@ def _write_random_file(path: Path, shard: list[_Shape], dtype: str, block: memor
     with open(path, "wb") as f:
         f.write(len(raw).to_bytes(8, "little"))
         f.write(raw)
-        left = offset
-        while left:
+        left = offset if block is not None else 0
+        if block is None:
+            f.truncate(8 + len(raw) + offset)
+        while block is not None and left:
             n = min(left, len(block))
             k = int(rng.integers(len(block) // step)) * step
             first = min(n, len(block) - k)
@@ -251,7 +254,7 @@ def _finite_block(rng, dtype: torch.dtype) -> bytes:
 
 
 def write_random_checkpoint(directory: str | Path, spec: ModelSpec | str, *, files: int = 4, seed: int = 0,
-                            max_shard_bytes: int | None = None, finite: bool = False) -> Path:
+                            max_shard_bytes: int | None = None, finite: bool = False, sparse: bool = False) -> Path:
     """Write a checkpoint of random bytes at the speed of the disk, for benchmarks of many GB.
 
     ``write_checkpoint`` draws normal values per tensor, which takes minutes for 8 GB on a few
@@ -264,6 +267,8 @@ def write_random_checkpoint(directory: str | Path, spec: ModelSpec | str, *, fil
     logits and greedy decoding depends on every weight. ``max_shard_bytes``: shards cut as
     ``save_pretrained`` cuts them (a new file when the next tensor would take the current one
     past the limit; the Hub's checkpoints use 5 GB) instead of into ``files`` equal parts.
+    ``sparse``: every tensor's bytes are zeros left as a hole in the file, so a checkpoint of any
+    size costs no time and no disk, for tests that need its size and not its values.
     The safetensors files are laid out by our own writer (header padded to 8 bytes, tensors in
     Hugging Face order), then fsynced so that their pages are clean and can be evicted.
     Idempotent like ``write_checkpoint``.
@@ -279,6 +284,8 @@ def write_random_checkpoint(directory: str | Path, spec: ModelSpec | str, *, fil
         recipe["max_shard_bytes"] = max_shard_bytes
     if finite:
         recipe["finite"] = True
+    if sparse:
+        recipe["sparse"] = True
     if stamp.exists() and json.loads(stamp.read_text()) == recipe:
         return out
     out.mkdir(parents=True, exist_ok=True)
@@ -290,7 +297,7 @@ def write_random_checkpoint(directory: str | Path, spec: ModelSpec | str, *, fil
     total = sum(n for _, _, n in shapes)
     shards = _shards(shapes, total, files, max_shard_bytes)
     rng = np.random.default_rng(seed)
-    block = memoryview(_finite_block(rng, spec.dtype) if finite else rng.bytes(_RANDOM_BLOCK))
+    block = None if sparse else memoryview(_finite_block(rng, spec.dtype) if finite else rng.bytes(_RANDOM_BLOCK))
     step = itemsize if finite else 1  # rotations by whole elements keep every value finite
     names = [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" if len(shards) > 1 else "model.safetensors"
              for k in range(len(shards))]

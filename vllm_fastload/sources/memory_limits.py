@@ -1,0 +1,199 @@
+"""Every memory limit this process lives under, and how much is free under each.
+
+Page cache a process reads in is charged to its memory cgroup, so the room early reads have is the
+least of: the machine's ``MemAvailable``, and the headroom under each cgroup limit that applies. A
+limit can be set in several places:
+
+- cgroup v2 (``memory.max``): on the process's own group and on each of its ancestors, found
+  through the process's path in ``/proc/self/cgroup`` below the mount point; a container in its
+  own cgroup namespace sees its group as the mount's root (the namespace root), a Slurm job or a
+  systemd service sees its group somewhere below;
+- cgroup v1 (``memory.limit_in_bytes``, ``memory.usage_in_bytes``): likewise on the group and its
+  ancestors while they account hierarchically (``memory.use_hierarchy``); a limit set above what
+  the namespace shows still appears in the group's ``memory.stat`` as
+  ``hierarchical_memory_limit``.
+
+Which of them decides is ``policy.early_reads_memory``'s to say; this module only reads them.
+Standard library only, and no import from the package: the early-reads script
+(``readahead.py``, run by a bare ``python -I -S``) loads this file by its path.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+#: At or above this, a cgroup "limit" means none (v1 writes ``PAGE_COUNTER_MAX`` pages, about 2**63).
+NO_LIMIT = 1 << 62
+GiB = float(1 << 30)
+
+
+@dataclass(frozen=True)
+class MemoryLimit:
+    """One limit and the bytes free under it now."""
+
+    #: "machine", "cgroup v1" or "cgroup v2".
+    kind: str
+    #: The cgroup's path as ``/proc/self/cgroup`` spells it ("" for the machine); a v1 limit set
+    #: above the visible tree is "above <top>".
+    where: str
+    #: The limit in bytes (the machine: ``MemTotal``).
+    limit: int
+    #: Bytes that may still be filled under it: the limit less the usage (the machine:
+    #: ``MemAvailable``).
+    free: int
+
+    def describe(self) -> str:
+        """E.g. "cgroup v1 memory limit 6.00 GiB at /job/7, 5.1 GiB free under it"."""
+        if self.kind == "machine":
+            return f"the machine's available memory (MemAvailable), {self.free / GiB:.1f} GiB"
+        if self.where.startswith("above"):
+            return (f"{self.kind} memory limit {self.limit / GiB:.2f} GiB set {self.where}, "
+                    f"at most {self.free / GiB:.1f} GiB free under it")
+        return (f"{self.kind} memory limit {self.limit / GiB:.2f} GiB at {self.where}, "
+                f"{self.free / GiB:.1f} GiB free under it")
+
+
+def memory_limits(root: str = "/") -> list[MemoryLimit]:
+    """The machine's available memory and every cgroup memory limit over this process (``root``:
+    where ``/proc`` and the cgroup mounts are found, for tests over a directory laid out like them)."""
+    proc = os.path.join(root, "proc")
+    limits = [_machine(proc)]
+    mounts = _cgroup_mounts(os.path.join(proc, "self", "mountinfo"))
+    paths = _cgroup_paths(os.path.join(proc, "self", "cgroup"))
+    for mount_root, mount_point, version in mounts:
+        path = paths.get("v2" if version == 2 else "memory")
+        if path is not None:
+            levels = _levels(os.path.join(root, mount_point.lstrip("/")), mount_root, path)
+            limits += _v2_limits(levels) if version == 2 else _v1_limits(levels)
+    return limits
+
+
+def meminfo(key: str, proc: str = "/proc") -> int:
+    """A ``/proc/meminfo`` field in bytes (0 where it is not there)."""
+    try:
+        with open(os.path.join(proc, "meminfo")) as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                if name == key:
+                    return int(value.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def _machine(proc: str) -> MemoryLimit:
+    return MemoryLimit("machine", "", meminfo("MemTotal", proc), meminfo("MemAvailable", proc))
+
+
+def _cgroup_mounts(mountinfo: str) -> list[tuple[str, str, int]]:
+    """``(root, mount point, version)`` of the memory cgroup mounts: v1 hierarchies with the
+    memory controller, and cgroup2 (whose controllers are checked per group: ``memory.max``)."""
+    mounts = []
+    try:
+        with open(mountinfo) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        fields = line.split()
+        if " - " not in line or len(fields) < 5:
+            continue
+        fstype, _, options = line.split(" - ", 1)[1].partition(" ")
+        super_options = options.split()[-1].split(",") if options.split() else []
+        root, point = _unescape(fields[3]), _unescape(fields[4])
+        if fstype == "cgroup2":
+            mounts.append((root, point, 2))
+        elif fstype == "cgroup" and "memory" in super_options:
+            mounts.append((root, point, 1))
+    return mounts
+
+
+def _unescape(field: str) -> str:
+    """A mountinfo path with its octal escapes (``\\040`` for a space) undone."""
+    return field.encode().decode("unicode_escape") if "\\" in field else field
+
+
+def _cgroup_paths(cgroup: str) -> dict[str, str]:
+    """The process's cgroup path per hierarchy: "v2" for the unified one, "memory" for v1's."""
+    paths = {}
+    try:
+        with open(cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return {}
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if controllers == "":
+            paths["v2"] = path
+        elif "memory" in controllers.split(","):
+            paths["memory"] = path
+    return paths
+
+
+def _levels(top: str, mount_root: str, path: str) -> list[tuple[str, str]]:
+    """The process's group and each of its ancestors up to the mount at ``top`` (which shows the
+    hierarchy from ``mount_root``), nearest first, each as ``(directory, path as /proc/self/cgroup
+    names it)``. Where the path lies outside what the mount shows (a cgroup namespace's root, a
+    path from another namespace), the mount's top alone: the namespace root."""
+    base = mount_root.rstrip("/")
+    parts = path[len(base):].strip("/").split("/") if path == base or path.startswith(base + "/") else None
+    if not parts or parts == [""] or not os.path.isdir(os.path.join(top, *parts)):
+        return [(top, mount_root)]
+    return [(os.path.join(top, *parts[:n]), "/".join([base, *parts[:n]]) or "/") for n in range(len(parts), -1, -1)]
+
+
+def _read_int(directory: str, name: str) -> int | None:
+    """A number from a cgroup file; None where it is absent or not a number ("max": no limit)."""
+    try:
+        with open(os.path.join(directory, name)) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _v2_limits(levels: list[tuple[str, str]]) -> list[MemoryLimit]:
+    """v2: ``memory.max`` against ``memory.current`` on the group and every ancestor that has them
+    (the root has neither, nor has a group whose parent does not enable the memory controller)."""
+    limits = []
+    for directory, shown in levels:
+        limit, used = _read_int(directory, "memory.max"), _read_int(directory, "memory.current")
+        if limit is not None and used is not None and limit < NO_LIMIT:
+            limits.append(MemoryLimit("cgroup v2", shown, limit, max(limit - used, 0)))
+    return limits
+
+
+def _v1_limits(levels: list[tuple[str, str]]) -> list[MemoryLimit]:
+    """v1: ``memory.limit_in_bytes`` against ``memory.usage_in_bytes`` on the group and its
+    ancestors, while each parent counts its children's usage (``memory.use_hierarchy``); then the
+    group's ``hierarchical_memory_limit`` (``memory.stat``) where it is lower than all of those: a
+    limit set above the visible tree, whose usage is at least the visible top's."""
+    limits = []
+    for i, (directory, shown) in enumerate(levels):
+        if i and _read_int(directory, "memory.use_hierarchy") == 0:
+            break  # this parent does not charge its children's usage against its own limit
+        limit, used = _read_int(directory, "memory.limit_in_bytes"), _read_int(directory, "memory.usage_in_bytes")
+        if limit is not None and used is not None and limit < NO_LIMIT:
+            limits.append(MemoryLimit("cgroup v1", shown, limit, max(limit - used, 0)))
+    hierarchical = _stat(levels[0][0], "hierarchical_memory_limit")
+    if hierarchical is not None and hierarchical < NO_LIMIT and all(hierarchical < m.limit for m in limits):
+        top, shown_top = levels[-1]
+        used = _read_int(top, "memory.usage_in_bytes") or 0
+        limits.append(MemoryLimit("cgroup v1", f"above {shown_top}", hierarchical, max(hierarchical - used, 0)))
+    return limits
+
+
+def _stat(directory: str, key: str) -> int | None:
+    try:
+        with open(os.path.join(directory, "memory.stat")) as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                if name == key:
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return None
