@@ -70,6 +70,11 @@ class ReadError(CheckpointError):
     """I/O failed mid-read (EOF, EIO); the message names the offset."""
 
 
+class StalledReadError(ReadError):
+    """A read made no progress for ``stall_timeout_s``: the storage stopped answering. The thread
+    that issued it cannot be taken back; the load is given up."""
+
+
 class FileChangedError(CheckpointError):
     """The file's size or mtime changed while it was being read: its bytes can't be trusted."""
 

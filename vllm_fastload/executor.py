@@ -69,13 +69,13 @@ class Delivery:
         """Start the chunk's reads, if it has any, and count them in ``stats``."""
         raise NotImplementedError
 
-    def wait(self) -> None:
-        """Wait for the chunk's reads; an I/O error from the reader (which knows only offsets)
-        gets the tensors' names."""
+    def wait(self, stall_s: float | None = None) -> None:
+        """Wait for the chunk's reads (``stall_s``: see ``Pending.wait``); an I/O error from the
+        reader (which knows only offsets) gets the tensors' names."""
         if self.pending is None:
             return
         try:
-            self.pending.wait()
+            self.pending.wait(stall_s)
         except CheckpointError as exc:
             if exc.tensor is not None:
                 raise
@@ -92,11 +92,11 @@ class Delivery:
         """The pool buffer to hand back once the caller has moved past this chunk; taken once."""
         return None
 
-    def drain(self, pool: BufferPool) -> None:
-        """Stop: reads still running finish, then what the chunk holds goes back to the pool (which
-        reuses a buffer only once the caller holds no view of it)."""
+    def drain(self, pool: BufferPool, stall_s: float | None = None) -> None:
+        """Stop: reads still running finish (or stall, see ``Pending.wait``), then what the chunk
+        holds goes back to the pool (which reuses a buffer only once the caller holds no view of it)."""
         if self.pending is not None:
-            self.pending.wait_quietly()
+            self.pending.wait_quietly(stall_s)
             self.pending = None
         buf = self.held()
         if buf is not None:
@@ -164,6 +164,10 @@ class MappedDelivery(Delivery):
     def start(self, reader: Reader, sf: SafetensorsFile, stats: LoadStats) -> None:
         stats.bytes_read += sum(t.read_bytes for t, _ in self.chunk.tensors)
         stats.chunks += 1
+        # The pages are brought in on the reader's threads, where a failing disk, a file cut short
+        # or a stalled read is an error naming the file (or a stall past the deadline), not a
+        # SIGBUS or a hang in the caller's copy out of the views.
+        self.pending = reader.populate_mapped(sf, self.window, self.first)
 
     def deliver(self) -> Iterator[Delivered]:
         for t, _ in self.chunk.tensors:
@@ -253,7 +257,7 @@ class ReadAhead:
         self._fill()
         item = self.in_flight.popleft()
         try:
-            item.wait()
+            item.wait(self.executor.config.stall_timeout_s)
         except BaseException:
             self.in_flight.appendleft(item)  # drained with the rest
             raise
@@ -262,7 +266,7 @@ class ReadAhead:
     def drain(self, pool: BufferPool) -> None:
         """Wait for every read still in flight and hand their buffers back."""
         while self.in_flight:
-            self.in_flight.popleft().drain(pool)
+            self.in_flight.popleft().drain(pool, self.executor.config.stall_timeout_s)
 
     def _room_for(self, chunk: Chunk) -> bool:
         if len(self.in_flight) < policy.CHUNKS_IN_FLIGHT:
@@ -356,7 +360,7 @@ class PlanExecutor:
             # The chunk being delivered when the caller stopped (break, exception) or that
             # failed: its buffer goes back too, or the pool would count it as held forever.
             if current is not None:
-                current.drain(self.pool)
+                current.drain(self.pool, self.config.stall_timeout_s)
             ahead.drain(self.pool)
             self.stats.peak_buffer_bytes = max(self.stats.peak_buffer_bytes, self.pool.peak)
             self.stats.buffers_handed_over = self.pool.handed_over - handed_over_before

@@ -60,8 +60,16 @@ MAX_GAP = 1 << 20
 #: On a network filesystem a slice along a later dim is never read row by row: each row is a
 #: round trip, while the enclosing rows are a few large requests (``strided_min_skip``).
 NETWORK_STRIDED_MIN_SKIP = 1 << 62
+#: Seconds a read of a local disk may make no progress before the load fails (``stall_timeout_s``):
+#: a healthy disk answers in well under a second, and a failing one retries a request for about
+#: a minute (the SCSI layer's 30 s timeout, retried) before it reports an error itself.
+LOCAL_STALL_TIMEOUT_S = 120.0
+#: The same on a network filesystem: an NFS or Lustre server that fails over or restarts leaves
+#: its clients' reads waiting for minutes and then answers them.
+NETWORK_STALL_TIMEOUT_S = 600.0
 #: Defaults a network filesystem gets for the fields the user left unset.
-NETWORK_DEFAULTS: dict[str, object] = {"strided_min_skip": NETWORK_STRIDED_MIN_SKIP}
+NETWORK_DEFAULTS: dict[str, object] = {"strided_min_skip": NETWORK_STRIDED_MIN_SKIP,
+                                       "stall_timeout_s": NETWORK_STALL_TIMEOUT_S}
 #: The share of the memory available at start-up that early reads may fill with page cache: more
 #: would evict what the engine's start-up itself needs, for pages the load then reads anyway.
 EARLY_READS_MEMORY_SHARE = 0.5

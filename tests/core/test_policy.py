@@ -182,7 +182,9 @@ def test_strided_min_skip(configured, remote, want) -> None:
 def test_filesystem_defaults() -> None:
     assert policy.filesystem_defaults(network=False, set_fields=set()) == {}
     assert policy.filesystem_defaults(network=True, set_fields=set()) == policy.NETWORK_DEFAULTS
-    assert policy.filesystem_defaults(network=True, set_fields={"strided_min_skip"}) == {}
+    assert policy.filesystem_defaults(network=True, set_fields={"strided_min_skip"}) == {
+        "stall_timeout_s": policy.NETWORK_STALL_TIMEOUT_S}
+    assert policy.filesystem_defaults(network=True, set_fields={"strided_min_skip", "stall_timeout_s"}) == {}
 
 
 #: (planned, mode, remote) -> the offer; the first matching row decides. ``auto`` shares on object

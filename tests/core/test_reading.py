@@ -422,8 +422,8 @@ def test_reads_into_destinations_queue_as_far_ahead_as_the_reader_asks(tmp_path:
             most[0] = max(most[0], depth[0])
             wait = pending.wait
 
-            def waited():
-                wait()
+            def waited(stall_s=None):
+                wait(stall_s)
                 depth[0] -= 1
 
             pending.wait = waited

@@ -109,7 +109,13 @@ class FastloadConfig(BaseSettings):
         default_factory=list, description="Callables or 'module:function' strings called with each LayerEvent.")
     progress: bool = Field(True, description="Show a tqdm progress bar (rank 0 only in multi-rank use).")
     log_layers: bool = Field(False, description="Log one DEBUG line per completed layer.")
-    check_file_changes: bool = Field(True, description="Fail if a file's size or mtime changes during the load.")
+    check_file_changes: bool = Field(True, description="Fail if a file's size or mtime changes during the load, or "
+                                     "another file takes its name (a new copy renamed over it).")
+    stall_timeout_s: float = Field(policy.LOCAL_STALL_TIMEOUT_S, gt=0, description="A read that makes no progress "
+                                   "for this many seconds fails the load with an error naming the file and offset "
+                                   "(a disk or server that stopped answering). Default: "
+                                   f"{policy.LOCAL_STALL_TIMEOUT_S:g} s; on network filesystems "
+                                   f"{policy.NETWORK_STALL_TIMEOUT_S:g} s, where a server's failover takes minutes.")
     direct_io: Mode = Field(
         "auto", description="host backend: O_DIRECT for contiguous ranges not in the page cache "
         "('auto'), for every contiguous range ('always'), or never (buffered reads with read-ahead "

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, NamedTuple
 
 import torch
 
 from vllm_fastload.config import FastloadConfig
+from vllm_fastload.errors import StalledReadError
 from vllm_fastload.format import SafetensorsFile
 from vllm_fastload.plan import Rows
 from vllm_fastload.policy import DecisionLog
-from vllm_fastload.readers.threads import thread_pool
+from vllm_fastload.readers import threads as reader_threads
+from vllm_fastload.readers.threads import ReaderThreads, thread_pool
 
 
 class ReadCall(NamedTuple):
@@ -43,24 +47,28 @@ class Pending:
         self._futures = list(futures)
         self._on_done = on_done
 
-    def wait_quietly(self) -> None:
+    def wait_quietly(self, stall_s: float | None = None) -> None:
         """Wait for every read and drop their errors: for cleaning up after another error."""
         try:
-            self.wait()
+            self.wait(stall_s)
         except BaseException:
             pass
 
-    def wait(self) -> None:
+    def wait(self, stall_s: float | None = None) -> None:
         """Wait for every read, even after one failed, then raise the first error.
 
         Returning early on the first error would leave other reads still writing into a buffer
-        the caller is about to give up.
+        the caller is about to give up. The exception: a read that made no progress for
+        ``stall_s`` seconds (``StalledReadError``), which may never return; its buffer must not
+        be used again (the caller gives up its reader and buffers, see ``FastCheckpoint``).
         """
         first: BaseException | None = None
         try:
             for fut in self._futures:
                 try:
-                    fut.result()
+                    _result(fut, stall_s)
+                except StalledReadError:
+                    raise
                 except BaseException as exc:
                     if first is None:
                         first = exc
@@ -72,6 +80,31 @@ class Pending:
             self._futures = []
             self._on_done = None
             first = None  # no reference cycle through the traceback
+
+
+#: Seconds between two looks for a stalled read while waiting.
+STALL_POLL_S = 1.0
+
+
+def _result(fut: Future[Any], stall_s: float | None) -> Any:
+    """``fut.result()``; with ``stall_s``, a ``StalledReadError`` once a reader thread's read has
+    made no progress for that long (``threads.stalled``)."""
+    if stall_s is None:
+        return fut.result()
+    while True:
+        try:
+            return fut.result(timeout=min(STALL_POLL_S, stall_s))
+        except FutureTimeout:
+            stuck = reader_threads.stalled(stall_s)
+            if stuck is not None:
+                raise _stall_error(stuck, stall_s) from None
+
+
+def _stall_error(stuck: reader_threads.Activity, stall_s: float) -> StalledReadError:
+    waited = time.monotonic() - stuck.since
+    what = "a read" if stuck.offset is None else f"a read of {stuck.length} bytes at offset {stuck.offset}"
+    return StalledReadError(f"{what} made no progress for {waited:.0f} s (stall_timeout_s is {stall_s:g} s): the "
+                            "storage stopped answering; the load is given up", file=stuck.file)
 
 
 class Reader(ABC):
@@ -88,7 +121,7 @@ class Reader(ABC):
     def __init__(self, config: FastloadConfig, device: torch.device) -> None:
         self.config = config
         self.device = device
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: ReaderThreads | None = None
         #: The reader's decisions, each logged once per outcome (``policy.DecisionLog``).
         self.decisions = DecisionLog()
 
@@ -117,7 +150,12 @@ class Reader(ABC):
         them. Only a reader whose destination is host memory can say yes (see ``HostReader``)."""
         return None
 
-    def threads(self) -> ThreadPoolExecutor:
+    def populate_mapped(self, sf: SafetensorsFile, window: torch.Tensor, first: int) -> Pending | None:
+        """Start bringing the pages of a ``mapped`` window (file offset ``first``) into memory, so
+        that an I/O error there is an error and not a signal in the caller; None: nothing to do."""
+        return None
+
+    def threads(self) -> ReaderThreads:
         if self._pool is None:
             self._pool = thread_pool(self.config.threads, f"fastload-{self.name}", self.config.cpus)
         return self._pool
@@ -174,6 +212,7 @@ class Reader(ABC):
         return out
 
     def close(self) -> None:
+        """Ends the threads, waiting for them (not for one stuck in a read: see ``threads``)."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None

@@ -21,7 +21,7 @@ import mmap
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -35,7 +35,7 @@ from vllm_fastload.readers import direct, mapped, pagecache, row_pages
 from vllm_fastload.readers.base import Call, Pending, Reader, RowsCall
 from vllm_fastload.readers.memory import populate
 from vllm_fastload.readers.remote import submit_to_source
-from vllm_fastload.readers.threads import thread_pool
+from vllm_fastload.readers.threads import ReaderThreads, reading, thread_pool
 from vllm_fastload.sizes import round_up
 from vllm_fastload.sources.local import IOV_MAX, pread_into, preadv_into
 from vllm_fastload.tensors import host_bytes
@@ -77,7 +77,7 @@ class HostReader(Reader):
 
     def __init__(self, config: FastloadConfig, device: torch.device) -> None:
         super().__init__(config, device)
-        self._copy_pool: ThreadPoolExecutor | None = None
+        self._copy_pool: ReaderThreads | None = None
         self.bounce_size = _bounce_size(config)
         self.decisions.note("O_DIRECT buffer per thread", self.bounce_size, direct_io=config.direct_io,
                             memory_budget=int(config.memory_budget), threads=config.threads)
@@ -150,8 +150,15 @@ class HostReader(Reader):
             advise(fd, calls)
         return window
 
+    def populate_mapped(self, sf: SafetensorsFile, window: torch.Tensor, first: int) -> Pending | None:
+        """The window's pages brought in on the reader's threads, a ``read_size`` piece each (see
+        ``mapped.populate``)."""
+        piece, length = int(self.config.read_size), window.numel()
+        return Pending([self.threads().submit(mapped.populate, window, sf.path, done, min(piece, length - done),
+                                              first + done) for done in range(0, length, piece)])
+
     def _submit_cached(self, sf: SafetensorsFile, calls: Sequence[Call],
-                       copiers: ThreadPoolExecutor) -> Pending:
+                       copiers: ReaderThreads) -> Pending:
         """Copies out of the page cache on the copier threads (several CPUs, fewer than
         ``threads``); the destinations' fresh pages are faulted in ahead of them on all threads,
         since faulting in fresh memory waits on the hypervisor where the VM hands freed memory
@@ -191,7 +198,7 @@ class HostReader(Reader):
         self.decisions.note("copier threads", count, threads=self.config.threads, cpus=cpus)
         return count
 
-    def _copiers(self) -> ThreadPoolExecutor:
+    def _copiers(self) -> ReaderThreads:
         if self._copy_pool is None:
             if self._copier_count >= self.config.threads:
                 return self.threads()
@@ -362,6 +369,7 @@ def _read_batch(fd: int, path: str, batch: list[Call], cached: bool = False) -> 
             dest = call.dest
             view = host_bytes(dest)
             populate(dest.data_ptr(), len(view))
+            reading(path, call.rows.offset if isinstance(call, RowsCall) else call.offset, len(view))
             if isinstance(call, RowsCall):
                 read_rows(fd, path, call.rows, view, cached)
             else:
@@ -386,6 +394,7 @@ def _read_batch_direct(dfd: int, align: int, bounce_size: int, fd: int, path: st
             if isinstance(call, RowsCall):
                 _read_batch(fd, path, [call])  # advised at submit (see ``advise_rows``)
                 continue
+            reading(path, call.offset, call.length)
             try:
                 direct.read_into(dfd, align, path, call.offset, call.dest, bounce)
             except direct.DirectUnsupported:

@@ -14,13 +14,19 @@ also cold chunks, after advising them (see ``HostReader.mapped``).
 
 Only on local filesystems: where the bytes cross a network, an I/O error or a change on the server
 under a mapping is ``SIGBUS``, which ends the process, where a read would raise an error naming
-the file. On a local disk that holds for a disk failing or the file cut short while mapped, as it
-does for safetensors' mapping.
+the file. On a local disk the pages are brought in before anyone copies out of them
+(``populate``, ``MADV_POPULATE_READ``, on the reader's threads): a page that cannot be read (a
+failing disk) or that lies past the end of a file cut short fails that call with an error, which
+becomes a ``ReadError`` naming the file and offset. What no check can catch is the file cut
+short in the moment between that and the copy: touching a page past the new end then raises
+``SIGBUS``, which ends the process, as it does for safetensors' own mapping (a signal handler
+cannot resume a copy inside C code). ``check_file_changes`` notices a change made earlier.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import mmap
 import os
@@ -30,8 +36,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_fastload.libc import MAP_FAILED, keeping_gil
+from vllm_fastload.errors import ReadError
+from vllm_fastload.libc import MAP_FAILED, keeping_gil, releasing_gil
 from vllm_fastload.plan import Rows
+from vllm_fastload.readers.memory import MADV_POPULATE_READ
+from vllm_fastload.readers.threads import reading
 from vllm_fastload.sources.fstype import filesystem_type, is_network
 
 
@@ -39,11 +48,10 @@ def copy_rows(fd: int, path: str, rows: Rows, view: memoryview) -> bool:
     """Copy ``rows`` packed into ``view`` out of a read-only mapping of ``fd`` (the file at ``path``).
 
     Returns False, having copied nothing, where the file is on a network filesystem, cannot be
-    mapped or ends before the slice: the caller then reads it, and those reads report a short file
-    as a clear error, where touching a mapped page past the end would kill the process with
-    ``SIGBUS``. (A local file cut short, or a disk failing, during the copy itself still would, as
-    it would for safetensors' own mapped loading, vLLM's default; ``check_file_changes`` catches a
-    file changed between chunks.)
+    mapped, ends before the slice, or a page of it cannot be brought in (``populate``): the caller
+    then reads it, and those reads report a short file or an I/O error as a clear error, where
+    touching such a page would kill the process with ``SIGBUS``. (A local file cut short during
+    the copy itself still would, see the module docstring.)
     """
     if not _local(path):
         return False
@@ -62,10 +70,21 @@ def copy_rows(fd: int, path: str, rows: Rows, view: memoryview) -> bool:
             mapping.madvise(mmap.MADV_RANDOM)
         except (OSError, AttributeError):
             pass
+        if not _populated(_address(mapping), end - start):
+            return False
         _strided_copy(mapping, rows.offset - start, rows, view)
     finally:
         mapping.close()
     return True
+
+
+def _address(mapping: mmap.mmap) -> int:
+    """Where a (read-only) mapping starts in memory; no view of it outlives the call."""
+    first = np.frombuffer(mapping, dtype=np.uint8, count=1)
+    try:
+        return int(first.ctypes.data)
+    finally:
+        del first
 
 
 @functools.lru_cache(maxsize=256)
@@ -87,6 +106,30 @@ def _strided_copy(mapping: mmap.mmap, first: int, rows: Rows, view: memoryview) 
     finally:
         # No array may still view the mapping when it closes, not even from an error's traceback.
         whole = source = packed = None
+
+
+def _populated(address: int, length: int) -> bool:
+    """Brings a mapped range's pages in (``MADV_POPULATE_READ``); False where one cannot be read
+    or lies past the end of the file (the kernel answers EFAULT where touching it would raise
+    ``SIGBUS``). True also where the kernel cannot populate (before Linux 5.14): the copy faults
+    the pages in as before."""
+    libc = releasing_gil()
+    if libc is None or libc.madvise(address, length, MADV_POPULATE_READ) == 0:
+        return True
+    return ctypes.get_errno() == errno.EINVAL
+
+
+def populate(window: torch.Tensor, path: str, start: int, length: int, file_offset: int) -> None:
+    """Bring ``length`` bytes from ``start`` of a ``file_window`` (file offset ``file_offset``)
+    into memory, on a reader thread; a page that cannot be read, or lies past the end of the
+    file, is a ``ReadError`` naming the file and offset, instead of a ``SIGBUS`` in whoever
+    copies out of it later."""
+    reading(path, file_offset, length)
+    if _populated(window.data_ptr() + start, length):
+        return
+    raise ReadError(f"reading {length} bytes at offset {file_offset} through a mapping of the file failed "
+                    f"({os.strerror(ctypes.get_errno())}): the file is shorter than its header says, or the disk "
+                    "failed", file=path)
 
 
 def file_window(fd: int, path: str, start: int, end: int) -> tuple[torch.Tensor, int] | None:

@@ -24,6 +24,7 @@ from vllm_fastload.readers.threads import run_on
 from vllm_fastload.sizes import round_up
 
 PAGE = mmap.PAGESIZE
+MADV_POPULATE_READ = 22
 MADV_POPULATE_WRITE = 23
 #: Smaller ranges are not worth two system calls.
 MIN_BYTES = 256 << 10
