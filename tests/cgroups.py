@@ -17,25 +17,26 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-V1_MEMORY = Path("/sys/fs/cgroup/memory")
+V1 = Path("/sys/fs/cgroup")
+V1_MEMORY = V1 / "memory"
 _count = itertools.count()
 
 
-def own_v1_group() -> Path | None:
-    """This process's v1 memory group directory (None where there is no v1 memory hierarchy)."""
+def own_v1_group(controller: str = "memory") -> Path | None:
+    """This process's group directory in the v1 hierarchy of ``controller`` (None where there is none)."""
     for line in Path("/proc/self/cgroup").read_text().splitlines():
         _, controllers, path = line.split(":", 2)
-        if "memory" in controllers.split(","):
-            group = V1_MEMORY / path.lstrip("/")
+        if controller in controllers.split(","):
+            group = V1 / controller / path.lstrip("/")
             return group if group.is_dir() else None
     return None
 
 
-def v1_reason() -> str | None:
-    """Why a v1 memory group cannot be made here; None where it can."""
-    group = own_v1_group()
+def v1_reason(controller: str = "memory") -> str | None:
+    """Why a v1 group of ``controller`` cannot be made here; None where it can."""
+    group = own_v1_group(controller)
     if group is None:
-        return f"no cgroup v1 memory hierarchy at {V1_MEMORY} holds this process"
+        return f"no cgroup v1 {controller} hierarchy at {V1 / controller} holds this process"
     if not os.access(group, os.W_OK):
         return f"cannot make cgroups below {group} (needs root)"
     return None
@@ -65,11 +66,11 @@ def v2_reason() -> str | None:
 
 
 @contextlib.contextmanager
-def v1_group(limit: int | None, parent: Path | None = None) -> Iterator[Path]:
-    """A new v1 memory group (below ``parent``, else below this process's own group) with
-    ``memory.limit_in_bytes`` = ``limit`` (None: none). On exit, every process still in it is
-    killed and it is removed."""
-    base = parent or own_v1_group()
+def v1_group(limit: int | None, parent: Path | None = None, controller: str = "memory") -> Iterator[Path]:
+    """A new v1 group of ``controller`` (below ``parent``, else below this process's own group),
+    for memory with ``memory.limit_in_bytes`` = ``limit`` (None: none). On exit, every process
+    still in it is killed and it is removed."""
+    base = parent or own_v1_group(controller)
     assert base is not None, v1_reason()
     group = base / f"fastload-test-{os.getpid()}-{next(_count)}"
     group.mkdir()
@@ -104,10 +105,11 @@ def _remove(group: Path) -> None:
             time.sleep(0.1)
 
 
-def in_group(group: Path, cmd: list[str]) -> list[str]:
-    """``cmd`` run as a process of ``group`` from its first instruction (a shell moves itself in,
-    then becomes ``cmd``)."""
-    return ["sh", "-c", f'echo $$ > "{group}/cgroup.procs" && exec "$@"', "sh", *cmd]
+def in_group(group: Path | list[Path], cmd: list[str]) -> list[str]:
+    """``cmd`` run as a process of ``group`` (or of each group, one per hierarchy) from its first
+    instruction (a shell moves itself in, then becomes ``cmd``)."""
+    moves = " && ".join(f'echo $$ > "{g}/cgroup.procs"' for g in (group if isinstance(group, list) else [group]))
+    return ["sh", "-c", f'{moves} && exec "$@"', "sh", *cmd]
 
 
 def run_in_group(group: Path, cmd: list[str], **kwargs) -> subprocess.CompletedProcess:

@@ -237,8 +237,9 @@ def _running(pid: int) -> bool:
 
 
 def test_the_reading_process_ends_with_the_process_that_started_it(cold_file: Path, tmp_path: Path):
-    """A start killed (no exit handlers run) before any rank loaded: nothing is left running,
-    mapped or on disk, also while the files are held."""
+    """A start killed (no exit handlers run) before any rank loaded: nothing is left running or
+    mapped, also while the files are held (the kernel ends the reading process with its starter),
+    and the next start removes the marks directory the killed one could not."""
     script = tmp_path / "starter.py"
     script.write_text(_ORPHAN)
     starter = subprocess.Popen([sys.executable, str(script), str(cold_file)], stdin=subprocess.PIPE,
@@ -252,6 +253,7 @@ def test_the_reading_process_ends_with_the_process_that_started_it(cold_file: Pa
         starter.kill()
         starter.wait(timeout=30)
     assert _wait(lambda: not _running(int(pid)), timeout=10), "the reading process outlived its starter"
+    assert directory in readahead.LoadMarks.remove_stale()
     assert not os.path.exists(directory)
 
 

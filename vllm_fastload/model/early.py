@@ -94,6 +94,7 @@ def _start(start: Start, engine: str) -> None:
                     "(%.0f%% of the free memory under the lowest limit: %s); it is read at load time",
                     total / 1e9, memory.allowed / 1e9, 100 * policy.EARLY_READS_MEMORY_SHARE, memory.limit.describe())
         return
+    LoadMarks.remove_stale()  # a start killed before it could remove its own
     marks = LoadMarks(local_ranks)  # removed when the reads end, or at this process's exit
     os.environ[MARKS_ENV] = marks.directory
     reads = None

@@ -127,9 +127,11 @@ def populate(window: torch.Tensor, path: str, start: int, length: int, file_offs
     reading(path, file_offset, length)
     if _populated(window.data_ptr() + start, length):
         return
-    raise ReadError(f"reading {length} bytes at offset {file_offset} through a mapping of the file failed "
-                    f"({os.strerror(ctypes.get_errno())}): the file is shorter than its header says, or the disk "
-                    "failed", file=path)
+    error = ctypes.get_errno()
+    why = ("a page of it could not be read (an I/O error), or lies past the end of the file (it was cut short)"
+           if error == errno.EFAULT else os.strerror(error))
+    raise ReadError(f"reading {length} bytes at offset {file_offset} through a mapping of the file failed: {why}",
+                    file=path)
 
 
 def file_window(fd: int, path: str, start: int, end: int) -> tuple[torch.Tensor, int] | None:

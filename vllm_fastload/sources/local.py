@@ -84,11 +84,25 @@ class LocalSource:
         return future
 
     def check_unchanged(self) -> None:
-        """Raise FileChangedError if the file was modified since it was opened."""
+        """Raise FileChangedError if the file was modified since it was opened, or another file
+        now has its name.
+
+        A file replaced by renaming a new copy over it (as sync tools and downloaders do) stays
+        readable through the descriptor held here, but the checkpoint is no longer what was
+        opened: another rank, or a retry, opening it now would read the other file."""
         try:
-            now = FileIdentity.of(os.fstat(self._fd))
+            held = os.fstat(self._fd)
+            named = os.stat(self.path)
+        except FileNotFoundError as exc:
+            raise FileChangedError("the file was removed while loading; refusing to load a checkpoint that is no "
+                                   "longer there", file=self.path) from exc
         except OSError as exc:
             raise FileChangedError(f"cannot stat file: {exc.strerror}", file=self.path) from exc
+        now = FileIdentity.of(held)
+        if (named.st_ino, named.st_dev) != (held.st_ino, held.st_dev):
+            raise FileChangedError("the file was replaced while loading (another file was renamed to its name); "
+                                   "refusing to load bytes of a file that is no longer the checkpoint's",
+                                   file=self.path)
         if now.size != self.identity.size or now.mtime_ns != self.identity.mtime_ns:
             raise FileChangedError(
                 f"file changed while loading (size {self.identity.size} -> {now.size}, "

@@ -85,6 +85,7 @@ def read_ahead(paths: Sequence[str], *, limit: int, hold: LoadMarks | None = Non
         logger.info("fastload: no early reads: no Python interpreter to run them in (sys.executable is empty)")
         return None
     request = {"paths": list(paths), "total": total, "hold_s": hold_s, "low_memory": LOW_MEMORY,
+               "main_thread": threading.current_thread() is threading.main_thread(),
                "marks": None if hold is None else [hold.directory, hold.expected], "parent": os.getpid()}
     # -I -S: no site-packages, no environment, not even this file's directory on the path: a bare
     # interpreter that starts in milliseconds and imports only the standard library. Its output and
@@ -154,6 +155,7 @@ class EarlyReads(threading.Thread):
 #: Bytes populated at a time (between two looks for a load that has begun).
 CHUNK = 16 << 20
 MADV_POPULATE_READ = 22  # Linux 5.14
+PR_SET_PDEATHSIG = 1
 #: Seconds between two looks for the loads' marks.
 POLL_S = 0.2
 #: Held files are let go early when less than this share of a memory limit (the machine's memory,
@@ -164,8 +166,10 @@ LOW_MEMORY = 0.1
 def _serve(request: dict[str, Any]) -> None:
     """The reading process: read, report, hold, report, end."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C ends the process that started it, then this one
-    _run_when_idle()
     parent = request["parent"]
+    if request.get("main_thread"):
+        _end_with(parent)
+    _run_when_idle()
     start = time.perf_counter()
     paths, total = request["paths"], request["total"]
     hold = None if request["marks"] is None else LoadMarks(request["marks"][1], directory=request["marks"][0])
@@ -206,6 +210,21 @@ def _serve(request: dict[str, Any]) -> None:
             _report("fastload: early reads: files released after %.2f s, %d of %d loads done (%s)",
                     time.perf_counter() - start, hold.done(), hold.expected, why)
             hold.remove()
+
+
+def _end_with(parent: int) -> None:
+    """Have the kernel end this process when the one that started it ends, however it ends
+    (``PR_SET_PDEATHSIG``): a read of a disk that stopped answering can block this process for
+    good, and then it never looks for its parent again. Only where the main thread started it:
+    the kernel counts the starting thread's end as the parent's."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return  # not Linux: the polling below still notices a parent that is gone
+    if os.getppid() != parent:  # it ended before the kernel was asked
+        os._exit(0)
 
 
 def _report(message: str, *args: Any) -> None:
@@ -320,6 +339,10 @@ def _read_through(fd: int, offset: int, length: int, buffer: bytearray) -> None:
         offset += n
 
 
+#: The marks directories' names: the prefix, then the id of the process that started the reads.
+MARKS_PREFIX = "fastload-loads-"
+
+
 class LoadMarks:
     """How the process that reads early learns when the loads it reads for begin and end: a
     directory in which each loading process leaves a mark as its load begins and one as it ends
@@ -327,7 +350,20 @@ class LoadMarks:
 
     def __init__(self, expected: int, *, directory: str | None = None) -> None:
         self.expected = max(expected, 1)
-        self.directory = directory or tempfile.mkdtemp(prefix="fastload-loads-")
+        self.directory = directory or tempfile.mkdtemp(prefix=f"{MARKS_PREFIX}{os.getpid()}-")
+
+    @staticmethod
+    def remove_stale() -> list[str]:
+        """Remove the marks directories of starts whose process is gone (killed: no exit handler
+        removed them); returns them."""
+        removed = []
+        for name in os.listdir(tempfile.gettempdir()):
+            pid = name[len(MARKS_PREFIX):].partition("-")[0]
+            if name.startswith(MARKS_PREFIX) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+                path = os.path.join(tempfile.gettempdir(), name)
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+        return removed
 
     def _count(self, kind: str) -> int:
         try:

@@ -1,0 +1,244 @@
+"""The faults operators meet, in real vLLM starts (the OpenAI server, its public entry point):
+
+- a cgroup v1 memory limit: the server in a group limited to 6 GiB, a 3.4 GB checkpoint; early
+  reads are refused, and the log line names the limit (the decision is made in the server's own
+  process, before any engine or worker exists: the start is ended once it is logged);
+- a disk error mid-load at TP=2, through the fault filesystem (``tests/faultfs.py``): the server
+  exits non-zero naming the file and offset, within a bound, leaving no process behind;
+- a start killed while the early reads and the ranks' reads run (one worker SIGKILLed; the server
+  SIGTERMed): no fastload process, marks directory or shared-memory file is left behind, and the
+  next start on the machine loads exactly what vLLM's default loader loads.
+
+To have the reads surely under way when the kill comes, without a checkpoint of many GB, the
+killed starts run in a cgroup v1 ``blkio`` group that throttles reads from the checkpoint's disk
+(a slow disk, made by the kernel): the early reads and the ranks' reads then take a minute.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests import cgroups, faultfs
+from vllm_fastload.bench.machine import evict
+from vllm_fastload.tools.checkpoints import PRESETS, write_random_checkpoint
+from vllm_fastload.tools.processes import remove_logged_cpu_shm
+from vllm_fastload.tools.vllm_server import SMALL_MODEL_FLAGS, free_port, vllm_env
+
+from .conftest import run_scenario
+
+pytestmark = pytest.mark.vllm
+
+GiB = 1 << 30
+#: The longest a start may take to fail or to end once told to (a hang fails the test instead).
+EXIT_BOUND_S = 120
+
+
+def _server(model: Path, tp: int, log: Path, tmpdir: Path, groups: list[Path] | None = None,
+            extra: str | None = None) -> subprocess.Popen:
+    """vLLM's OpenAI server with fastload, in a session of its own (its processes share it), with
+    a private TMPDIR (so the marks directory its early reads make is this start's)."""
+    tmpdir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
+           "--port", str(free_port()), "--tensor-parallel-size", str(tp), "--load-format", "fastload",
+           *SMALL_MODEL_FLAGS]
+    if extra:
+        cmd += ["--model-loader-extra-config", extra]
+    env = vllm_env(tp, TMPDIR=str(tmpdir), VLLM_CPU_KVCACHE_SPACE="1")
+    return subprocess.Popen(cgroups.in_group(groups, cmd) if groups else cmd, stdout=log.open("wb"),
+                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def _wait_for(log: Path, pattern: str, proc: subprocess.Popen, timeout: float) -> re.Match:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = re.search(pattern, log.read_text(errors="replace"))
+        if found:
+            return found
+        if proc.poll() is not None:
+            break
+        time.sleep(0.2)
+    raise AssertionError(f"no {pattern!r} in the log (exit {proc.poll()}):\n{log.read_text(errors='replace')[-5000:]}")
+
+
+def _session(sid: int) -> list[str]:
+    """The processes of session ``sid`` still running (zombies aside), with their command lines."""
+    left = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat.rpartition(")")[2].split()
+        if int(fields[3]) == sid and fields[0] != "Z":
+            left.append(f"{pid} {cmdline[:200]}")
+    return left
+
+
+def _end(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
+    """End a start that is no longer needed, and everything of its session."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+def _assert_nothing_left(proc: subprocess.Popen, tmpdir: Path, log: Path) -> None:
+    """No process of the start's session, no marks directory of its early reads, and no file in
+    /dev/shm but vLLM-CPU's own shared memory of the workers (named by the start's log; the tests
+    remove those as every start of theirs ends)."""
+    deadline = time.monotonic() + 10
+    while _session(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _session(proc.pid), f"left running: {_session(proc.pid)}\n{log.read_text(errors='replace')[-3000:]}"
+    assert not list(tmpdir.glob("fastload-loads-*")), list(tmpdir.iterdir())
+    text = log.read_text(errors="replace")
+    ours = [f for f in Path("/dev/shm").iterdir() if "fastload" in f.name or str(proc.pid) in f.name]
+    assert not ours, ours
+    remove_logged_cpu_shm(log)
+    assert "fastload: early reads: the reading process ended with status" not in text
+
+
+@pytest.mark.skipif(cgroups.v1_reason() is not None, reason=str(cgroups.v1_reason()))
+def test_a_cgroup_v1_limit_of_6_gib_stops_early_reads_of_a_3_4_gb_checkpoint(tmp_path: Path):
+    """The checkpoint's bytes are a hole (``sparse``): only its size matters before the ranks load,
+    and the start is ended as soon as the decision is logged."""
+    spec = dataclasses.replace(PRESETS["bench-llama"], layers=36)
+    model = write_random_checkpoint(tmp_path / "llama-3.4g", spec, files=4, sparse=True)
+    log = tmp_path / "server.log"
+    with cgroups.v1_group(6 * GiB) as group:
+        proc = _server(model, 1, log, tmp_path / "tmp", groups=[group])
+        try:
+            line = _wait_for(log, r"fastload: (no )?early reads: [^\n]*", proc, timeout=240).group(0)
+        finally:
+            _end(proc)
+    shown = "/" + str(group.relative_to(cgroups.V1_MEMORY))
+    assert line.startswith("fastload: no early reads: the checkpoint (3.43 GB) exceeds the "), line
+    assert f"of the free memory under the lowest limit: cgroup v1 memory limit 6.00 GiB at {shown}, " in line, line
+
+
+@pytest.fixture
+def llama_copy(checkpoints: dict[str, Path], tmp_path: Path) -> Path:
+    """A copy of the tests' small Llama (two shards), for a start to read through the fault filesystem."""
+    return Path(shutil.copytree(checkpoints["llama-gqa"], tmp_path / "source"))
+
+
+@pytest.mark.skipif(faultfs.why_not() is not None, reason=str(faultfs.why_not()))
+def test_an_io_error_mid_load_ends_a_tp2_start_naming_the_file_and_offset(llama_copy: Path, tmp_path: Path):
+    """EIO for the reads of one page of a weight that rank 0 reads (its rows of layer 1's
+    gate_proj): the start fails within a bound, the server exits non-zero, and the log names the
+    error, the file and the offset; nothing of the start is left running."""
+    import vllm_fastload
+
+    tensor = "model.layers.1.mlp.gate_proj.weight"
+    with vllm_fastload.open(str(llama_copy)) as ckpt:
+        info = ckpt.info(tensor)
+    file = Path(info.file).name
+    log, fslog, tmpdir = tmp_path / "server.log", tmp_path / "faultfs.log", tmp_path / "tmp"
+    with faultfs.mounted(llama_copy, tmp_path / "mount", faultfs.Fault("eio", file, info.start + 64), fslog) as mount:
+        started = time.monotonic()
+        proc = _server(mount, 2, log, tmpdir)
+        try:
+            code = proc.wait(timeout=300)
+        finally:
+            _end(proc)
+        took = time.monotonic() - started
+        text = log.read_text(errors="replace")
+        assert faultfs.fired(fslog), text[-3000:]
+        assert code != 0, text[-3000:]
+        _assert_nothing_left(proc, tmpdir, log)
+    assert took < 300
+    failure = re.search(r"ReadError: [^\n]*Input/output error[^\n]*", text)
+    assert failure, text[-5000:]
+    assert f"file '{mount / file}'" in failure.group(0) and "at offset" in failure.group(0), failure.group(0)
+
+
+#: Bytes per second the killed starts may read from the checkpoint's disk.
+THROTTLE_BPS = 16 << 10
+
+
+def _device(path: Path) -> str:
+    st = path.stat()
+    return f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+
+
+def _warm_libraries() -> None:
+    """Read the engine's shared libraries into the page cache, so that the throttle slows only the
+    checkpoint's reads (a start's imports from a disk read at ``THROTTLE_BPS`` would take hours)."""
+    import torch
+    import vllm
+
+    for package in (torch, vllm):
+        for path in Path(package.__file__).parent.rglob("*.so*"):
+            with contextlib.suppress(OSError), path.open("rb") as f:
+                while f.read(16 << 20):
+                    pass
+
+
+@contextlib.contextmanager
+def _slow_disk(model: Path) -> Iterator[Path]:
+    """A blkio group whose reads from ``model``'s disk are throttled to ``THROTTLE_BPS``."""
+    with cgroups.v1_group(None, controller="blkio") as group:
+        (group / "blkio.throttle.read_bps_device").write_text(f"{_device(model)} {THROTTLE_BPS}")
+        yield group
+
+
+def _killed_start(model: Path, tmp_path: Path, name: str, kill: str) -> str:
+    """A TP=2 start of ``model`` (evicted from the page cache first) on a throttled disk, killed
+    once both ranks have begun their loads: ``worker`` SIGKILLs rank 1's process, ``server``
+    SIGTERMs the server. Returns its log, having checked that nothing of it is left."""
+    evict(sorted(str(p) for p in model.glob("*.safetensors")))
+    log, tmpdir = tmp_path / f"{name}.log", tmp_path / f"{name}-tmp"
+    with _slow_disk(model) as slow:
+        proc = _server(model, 2, log, tmpdir, groups=[slow])
+        try:
+            _wait_for(log, r"fastload: early reads: \d+ checkpoint files", proc, timeout=240)
+            deadline = time.monotonic() + 240
+            while len(begun := list(tmpdir.glob("fastload-loads-*/begun-*"))) < 2:
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-5000:]
+                time.sleep(0.1)
+            time.sleep(1.0)  # the ranks are reading: at THROTTLE_BPS their reads take a minute
+            reading = [p for p in _session(proc.pid) if "readahead.py" in p]
+            assert reading, f"the early reads had ended before the kill: {_session(proc.pid)}"
+            killed_at = time.monotonic()
+            if kill == "worker":
+                os.kill(max(int(p.name.split("-")[1]) for p in begun), signal.SIGKILL)
+            else:
+                os.kill(proc.pid, signal.SIGTERM)
+            code = proc.wait(timeout=EXIT_BOUND_S)
+            ended_in = time.monotonic() - killed_at
+        finally:
+            _end(proc, signal.SIGKILL)
+        _assert_nothing_left(proc, tmpdir, log)
+    assert ended_in < EXIT_BOUND_S
+    assert code != 0 if kill == "worker" else code in (0, -signal.SIGTERM, 1), code
+    return log.read_text(errors="replace")
+
+
+@pytest.mark.skipif(cgroups.v1_reason("blkio") is not None, reason=str(cgroups.v1_reason("blkio")))
+def test_killed_starts_leave_nothing_behind_and_the_next_start_is_exact(checkpoints, scenarios, tmp_path: Path):
+    model = checkpoints["llama-gqa"]
+    _warm_libraries()
+    _killed_start(model, tmp_path, "worker-killed", "worker")
+    _killed_start(model, tmp_path, "server-terminated", "server")
+    fast = run_scenario(tmp_path, "after-the-kills", model, "fastload", 2)
+    ref = scenarios.get("llama-gqa", model, "safetensors", 2)
+    assert "error" not in fast and "error" not in ref, (fast.get("error"), ref.get("error"), fast["log"][-3000:])
+    for rank, (got, want) in enumerate(zip(fast["digests"], ref["digests"], strict=True)):
+        assert got == want, f"rank {rank}: {[n for n in want if got.get(n) != want[n]]}"
+    assert fast["tokens"] == ref["tokens"]
