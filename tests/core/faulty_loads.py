@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.faultfs import Fault, fired, mounted  # noqa: E402
+from tests.faultfs import Fault, fired, mounted
 
 #: Small chunks, so that a file is several chunks and a fault falls mid-load.
 CONFIG = {"progress": False, "aggregate_size": 2 << 20, "read_size": 1 << 20, "memory_budget": 32 << 20,
