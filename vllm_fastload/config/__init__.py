@@ -144,7 +144,8 @@ class FastloadConfig(BaseSettings):
         "auto", description="vLLM and SGLang loaders: as soon as the engine has its config (in the process that "
         "builds it, long before the ranks ask for weights), read a local checkpoint (or a Hugging Face id's cached "
         "snapshot) into the page cache in the background, "
-        "on idle CPU time, if it fits in half of the memory available then, and keep it mapped until the ranks "
+        "on idle CPU time, if it fits in half of the memory free under the lowest memory limit then (the machine's, "
+        "every cgroup v1 and v2 limit over the process), and keep it mapped until the ranks "
         "have loaded; load_weights then finds it there. 'auto': on local filesystems; 'always': also on network "
         "filesystems and FUSE mounts (where the client's own CPU work competes with the start-up); 'never'. "
         "A switch (true, false, 1, 0, ...) means 'always' or 'never'.")
