@@ -64,6 +64,8 @@ def mounted(source: Path, mountpoint: Path, fault: Fault | None, log: Path) -> I
     spec = json.dumps(asdict(fault) if fault else None)
     proc = subprocess.Popen([sys.executable, __file__, str(source), str(mountpoint), spec, str(log)],
                             stdout=subprocess.DEVNULL, stderr=log.open("ab"), start_new_session=True)
+    with log.open("a") as f:
+        f.write(f"pid {proc.pid}\n")  # for ``unmount`` where the block is left without ending it
     try:
         deadline = time.monotonic() + 30
         while not os.path.ismount(mountpoint):
@@ -72,11 +74,18 @@ def mounted(source: Path, mountpoint: Path, fault: Fault | None, log: Path) -> I
             time.sleep(0.05)
         yield mountpoint
     finally:
-        # Lazy: a mount with a stalled read is busy. Ending the daemon then fails what it left pending.
-        subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], check=False, capture_output=True)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        unmount(mountpoint, log)
         proc.wait(timeout=30)
+
+
+def unmount(mountpoint: Path, log: Path) -> None:
+    """Unmount and end the daemon (its id from ``log``). Lazily: a mount with a stalled read is
+    busy; ending the daemon then fails what it left pending."""
+    subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], check=False, capture_output=True)
+    for line in log.read_text(errors="replace").splitlines():
+        if line.startswith("pid "):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(int(line.split()[1]), signal.SIGKILL)
 
 
 def fired(log: Path) -> list[str]:

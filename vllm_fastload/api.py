@@ -12,7 +12,7 @@ from vllm_fastload import policy
 from vllm_fastload.buffers import BufferPool
 from vllm_fastload.checkpoint import Checkpoint
 from vllm_fastload.config import FastloadConfig
-from vllm_fastload.errors import InvalidRequestError
+from vllm_fastload.errors import InvalidRequestError, StalledReadError
 from vllm_fastload.events import LoadProgress, resolve_callback
 from vllm_fastload.executor import Delivered, LoadStats, PlanExecutor
 from vllm_fastload.format import TensorInfo
@@ -296,6 +296,14 @@ class FastCheckpoint:
                     out.copy_(tensor)
         return cast(out, dtype)
 
+    def _give_up_reader(self) -> None:
+        """After a stalled read: the thread stuck in it may still write into a buffer (or a
+        destination) one day, so neither the reader nor its buffers are used again; a later read
+        gets new ones. The stuck thread is not waited for (see ``readers.threads``)."""
+        reader, self._reader, self._pool = self._reader, None, None
+        if reader is not None:
+            reader.close()
+
     def _check_destination(self, planned: PlannedTensor, dest: torch.Tensor) -> None:
         shape = torch_shape(planned)
         if tuple(dest.shape) != shape:
@@ -328,6 +336,9 @@ class FastCheckpoint:
         executor = PlanExecutor(self.checkpoint, self.reader, self._pool_for(), self.config)
         try:
             yield from executor.run(plan, progress, on_layer_end)
+        except StalledReadError:
+            self._give_up_reader()
+            raise
         finally:
             if progress is not None:
                 progress.close()

@@ -24,7 +24,8 @@ from vllm_fastload.tools.checkpoints import write_checkpoint
 pytestmark = pytest.mark.skipif(faultfs.why_not() is not None, reason=str(faultfs.why_not()))
 
 RUNNER = Path(__file__).with_name("faulty_loads.py")
-KINDS = ["eio", "stall", "shrink", "replace"]
+#: The stall last: its mount is left stalled while the runner exits (a thread stuck in a read).
+KINDS = ["eio", "shrink", "replace", "stall"]
 #: What each fault must raise (by class name, the error or one of its bases), and what the
 #: message must say besides the file.
 EXPECTED = {
@@ -47,8 +48,11 @@ def checkpoint(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("how", ["direct", "mapped"])
 def test_every_fault_ends_the_load_with_an_error_naming_the_file(how: str, checkpoint: Path, tmp_path: Path):
-    proc = subprocess.run([sys.executable, str(RUNNER), str(checkpoint), str(tmp_path), how, *KINDS],
-                          capture_output=True, text=True, timeout=len(KINDS) * BOUND_S + 60)
+    try:
+        proc = subprocess.run([sys.executable, str(RUNNER), str(checkpoint), str(tmp_path), how, *KINDS],
+                              capture_output=True, text=True, timeout=len(KINDS) * BOUND_S + 60)
+    finally:  # the runner exits with its stalled mount in place
+        faultfs.unmount(tmp_path / f"{how}-stall-mount", tmp_path / f"{how}-stall.log")
     assert proc.returncode != -signal.SIGBUS, f"the load ended the process with SIGBUS:\n{proc.stdout}{proc.stderr}"
     assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout}{proc.stderr[-3000:]}"
     outcomes = {o["kind"]: o for o in map(json.loads, proc.stdout.splitlines())}
@@ -61,6 +65,7 @@ def test_every_fault_ends_the_load_with_an_error_naming_the_file(how: str, check
         assert outcome["file"] == f"{outcome['mount']}/model-00002-of-00002.safetensors", outcome
         assert any(w in outcome["message"] for w in words.split("|")), outcome
         assert outcome["seconds"] < BOUND_S, outcome
+    assert outcomes["stall"]["after_stall"] is True, outcomes["stall"]  # a new reader, not the stuck one
     for kind in ("eio", "stall"):  # the offset of the failing read is known: it is in the message
         assert "at offset " in outcomes[kind]["message"], outcomes[kind]
 

@@ -53,8 +53,9 @@ def reading(file: str, offset: int, length: int) -> None:
 
 
 def stalled(limit_s: float) -> Activity | None:
-    """The read of some reader thread that has made no progress for over ``limit_s`` seconds
-    (the oldest), or None. Its thread is written off: no pool waits for it any more."""
+    """The read of some reader thread of this process that has made no progress for over
+    ``limit_s`` seconds (the oldest), or None. Its thread is written off: no pool waits for it any
+    more. (Any reader's thread: loads in one process share the storage they would stall on.)"""
     now = time.monotonic()
     found = None
     for ident, activity in list(_running.items()):
