@@ -449,3 +449,14 @@ def test_the_documented_variables_are_exactly_what_the_config_reads():
     assert documented == fields | remote | {"FASTLOAD_REMOTE__STORE_OPTIONS__", "FASTLOAD_TGI"}
     assert all(is_config_variable(name) for name in fields | remote)
     assert not is_config_variable("FASTLOAD_TGI") and not is_config_variable("FASTLOAD_DEV_VENV")
+
+
+def test_stall_timeout_is_validated_and_longer_on_network_filesystems():
+    from vllm_fastload import policy
+    from vllm_fastload.errors import ConfigError
+
+    assert FastloadConfig.build({}).stall_timeout_s == policy.LOCAL_STALL_TIMEOUT_S
+    with pytest.raises(ConfigError, match="stall_timeout_s"):
+        FastloadConfig.build({"stall_timeout_s": 0})
+    network = policy.filesystem_defaults(network=True, set_fields=set())
+    assert FastloadConfig.build({}).model_copy(update=network).stall_timeout_s == policy.NETWORK_STALL_TIMEOUT_S

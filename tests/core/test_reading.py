@@ -465,3 +465,33 @@ def test_prefault_thread_runs_on_the_configured_cpus(monkeypatch):
     with Prefault([torch.empty(4096, dtype=torch.uint8)], cpus=ONE_CPU) as prefault:
         prefault._thread.join()
     assert seen == [set(ONE_CPU)] and prefault.faulted == 1
+
+
+def test_a_reader_thread_stuck_in_a_read_is_written_off_and_waited_for_by_no_one():
+    """``threads.stalled`` names the read that has made no progress past the limit; the pool's
+    shutdown then does not wait for its thread, and the thread is a daemon (the process can exit)."""
+    import threading
+    import time
+
+    from vllm_fastload.readers import threads
+
+    pool = threads.thread_pool(2, "test-stuck", None)
+    release = threading.Event()
+
+    def stuck() -> None:
+        threads.reading("/x/model.safetensors", 4096, 1 << 20)
+        release.wait(60)
+
+    future = pool.submit(stuck)
+    assert pool.submit(lambda a, b=0: a + b, 1, b=2).result(timeout=10) == 3
+    time.sleep(0.3)
+    activity = threads.stalled(0.2)
+    assert activity is not None and (activity.file, activity.offset, activity.length) == (
+        "/x/model.safetensors", 4096, 1 << 20)
+    assert threads.stalled(30) is None
+    assert all(t.daemon for t in threading.enumerate() if t.name.startswith("test-stuck"))
+    started = time.monotonic()
+    pool.shutdown(wait=True)
+    assert time.monotonic() - started < 5 and not future.done()
+    release.set()
+    assert future.result(timeout=10) is None
