@@ -10,8 +10,10 @@
   next start on the machine loads exactly what vLLM's default loader loads.
 
 To have the reads surely under way when the kill comes, without a checkpoint of many GB, the
-killed starts run in a cgroup v1 ``blkio`` group that throttles reads from the checkpoint's disk
-(a slow disk, made by the kernel): the early reads and the ranks' reads then take a minute.
+killed starts read the checkpoint from a disk of its own (an ext4 image on a loop device) that a
+cgroup v1 ``blkio`` group throttles for the server and everything it starts (a slow disk, made by
+the kernel): the early reads and the ranks' reads then take a minute, and the next start, outside
+the group, reads it at full speed.
 """
 
 from __future__ import annotations
@@ -35,8 +37,6 @@ from vllm_fastload.bench.machine import evict
 from vllm_fastload.tools.checkpoints import PRESETS, write_random_checkpoint
 from vllm_fastload.tools.processes import remove_logged_cpu_shm
 from vllm_fastload.tools.vllm_server import SMALL_MODEL_FLAGS, free_port, vllm_env
-
-from .conftest import run_scenario
 
 pytestmark = pytest.mark.vllm
 
@@ -172,72 +172,83 @@ def test_an_io_error_mid_load_ends_a_tp2_start_naming_the_file_and_offset(llama_
 THROTTLE_BPS = 16 << 10
 
 
-def _device(path: Path) -> str:
-    st = path.stat()
-    return f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
-
-
-def _warm_libraries() -> None:
-    """Read the engine's shared libraries into the page cache, so that the throttle slows only the
-    checkpoint's reads (a start's imports from a disk read at ``THROTTLE_BPS`` would take hours)."""
-    import torch
-    import vllm
-
-    for package in (torch, vllm):
-        for path in Path(package.__file__).parent.rglob("*.so*"):
-            with contextlib.suppress(OSError), path.open("rb") as f:
-                while f.read(16 << 20):
-                    pass
+def slow_disk_reason() -> str | None:
+    """Why a throttled disk cannot be made here; None where it can."""
+    missing = [tool for tool in ("losetup", "mkfs.ext4", "mount", "umount") if shutil.which(tool) is None]
+    if missing:
+        return f"{', '.join(missing)} not installed (util-linux, e2fsprogs)"
+    if not os.path.exists("/dev/loop-control"):
+        return "no loop devices (/dev/loop-control)"
+    return cgroups.v1_reason("blkio")
 
 
 @contextlib.contextmanager
-def _slow_disk(model: Path) -> Iterator[Path]:
-    """A blkio group whose reads from ``model``'s disk are throttled to ``THROTTLE_BPS``."""
-    with cgroups.v1_group(None, controller="blkio") as group:
-        (group / "blkio.throttle.read_bps_device").write_text(f"{_device(model)} {THROTTLE_BPS}")
-        yield group
+def _slow_disk(checkpoint: Path, work: Path) -> Iterator[tuple[Path, Path]]:
+    """A copy of ``checkpoint`` on a disk of its own (an ext4 image on a loop device), and a blkio
+    group whose reads from that disk are throttled to ``THROTTLE_BPS``: the engine's own files
+    (its libraries, on another disk) are read at full speed, the checkpoint slowly."""
+    image, mountpoint = work / "disk.img", work / "disk"
+    with image.open("wb") as f:
+        f.truncate(64 << 20)
+    subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True)
+    loop = subprocess.run(["losetup", "--find", "--show", str(image)], check=True, capture_output=True,
+                          text=True).stdout.strip()
+    try:
+        mountpoint.mkdir()
+        subprocess.run(["mount", loop, str(mountpoint)], check=True)
+        try:
+            model = Path(shutil.copytree(checkpoint, mountpoint / checkpoint.name))
+            os.sync()
+            device = (Path("/sys/block") / Path(loop).name / "dev").read_text().strip()
+            with cgroups.v1_group(None, controller="blkio") as group:
+                (group / "blkio.throttle.read_bps_device").write_text(f"{device} {THROTTLE_BPS}")
+                yield model, group
+        finally:
+            subprocess.run(["umount", "-l", str(mountpoint)], check=False)
+    finally:
+        subprocess.run(["losetup", "-d", loop], check=False)
 
 
-def _killed_start(model: Path, tmp_path: Path, name: str, kill: str) -> str:
-    """A TP=2 start of ``model`` (evicted from the page cache first) on a throttled disk, killed
-    once both ranks have begun their loads: ``worker`` SIGKILLs rank 1's process, ``server``
-    SIGTERMs the server. Returns its log, having checked that nothing of it is left."""
+def _killed_start(model: Path, slow: Path, tmp_path: Path, name: str, kill: str) -> str:
+    """A TP=2 start of ``model`` (on the slow disk, evicted from the page cache first) by a server
+    in the throttled group ``slow``, killed once both ranks have begun their loads: ``worker``
+    SIGKILLs rank 1's process, ``server`` SIGTERMs the server. Returns its log, having checked
+    that nothing of it is left."""
     evict(sorted(str(p) for p in model.glob("*.safetensors")))
     log, tmpdir = tmp_path / f"{name}.log", tmp_path / f"{name}-tmp"
-    with _slow_disk(model) as slow:
-        proc = _server(model, 2, log, tmpdir, groups=[slow])
-        try:
-            _wait_for(log, r"fastload: early reads: \d+ checkpoint files", proc, timeout=240)
-            deadline = time.monotonic() + 240
-            while len(begun := list(tmpdir.glob("fastload-loads-*/begun-*"))) < 2:
-                assert proc.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-5000:]
-                time.sleep(0.1)
-            time.sleep(1.0)  # the ranks are reading: at THROTTLE_BPS their reads take a minute
-            reading = [p for p in _session(proc.pid) if "readahead.py" in p]
-            assert reading, f"the early reads had ended before the kill: {_session(proc.pid)}"
-            killed_at = time.monotonic()
-            if kill == "worker":
-                os.kill(max(int(p.name.split("-")[1]) for p in begun), signal.SIGKILL)
-            else:
-                os.kill(proc.pid, signal.SIGTERM)
-            code = proc.wait(timeout=EXIT_BOUND_S)
-            ended_in = time.monotonic() - killed_at
-        finally:
-            _end(proc, signal.SIGKILL)
-        _assert_nothing_left(proc, tmpdir, log)
+    proc = _server(model, 2, log, tmpdir, groups=[slow])
+    try:
+        _wait_for(log, r"fastload: early reads: \d+ checkpoint files", proc, timeout=240)
+        deadline = time.monotonic() + 240
+        while len(begun := list(tmpdir.glob("fastload-loads-*/begun-*"))) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-5000:]
+            time.sleep(0.1)
+        time.sleep(1.0)  # the ranks are reading: at THROTTLE_BPS their reads take a minute
+        reading = [p for p in _session(proc.pid) if "readahead.py" in p]
+        assert reading, f"the early reads had ended before the kill: {_session(proc.pid)}"
+        killed_at = time.monotonic()
+        if kill == "worker":
+            os.kill(max(int(p.name.split("-")[1]) for p in begun), signal.SIGKILL)
+        else:
+            os.kill(proc.pid, signal.SIGTERM)
+        code = proc.wait(timeout=EXIT_BOUND_S)
+        ended_in = time.monotonic() - killed_at
+    finally:
+        _end(proc, signal.SIGKILL)
+    _assert_nothing_left(proc, tmpdir, log)
     assert ended_in < EXIT_BOUND_S
     assert code != 0 if kill == "worker" else code in (0, -signal.SIGTERM, 1), code
     return log.read_text(errors="replace")
 
 
-@pytest.mark.skipif(cgroups.v1_reason("blkio") is not None, reason=str(cgroups.v1_reason("blkio")))
+@pytest.mark.skipif(slow_disk_reason() is not None, reason=str(slow_disk_reason()))
 def test_killed_starts_leave_nothing_behind_and_the_next_start_is_exact(checkpoints, scenarios, tmp_path: Path):
-    model = checkpoints["llama-gqa"]
-    _warm_libraries()
-    _killed_start(model, tmp_path, "worker-killed", "worker")
-    _killed_start(model, tmp_path, "server-terminated", "server")
-    fast = run_scenario(tmp_path, "after-the-kills", model, "fastload", 2)
-    ref = scenarios.get("llama-gqa", model, "safetensors", 2)
+    with _slow_disk(checkpoints["llama-gqa"], tmp_path) as (model, slow):
+        _killed_start(model, slow, tmp_path, "worker-killed", "worker")
+        _killed_start(model, slow, tmp_path, "server-terminated", "server")
+        # The next start, outside the throttled group: what the killed ones left must not change it.
+        fast = run_scenario(tmp_path, "after-the-kills", model, "fastload", 2)
+    ref = scenarios.get("llama-gqa", checkpoints["llama-gqa"], "safetensors", 2)
     assert "error" not in fast and "error" not in ref, (fast.get("error"), ref.get("error"), fast["log"][-3000:])
     for rank, (got, want) in enumerate(zip(fast["digests"], ref["digests"], strict=True)):
         assert got == want, f"rank {rank}: {[n for n in want if got.get(n) != want[n]]}"
