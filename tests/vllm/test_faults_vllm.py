@@ -38,6 +38,8 @@ from vllm_fastload.tools.checkpoints import PRESETS, write_random_checkpoint
 from vllm_fastload.tools.processes import remove_logged_cpu_shm
 from vllm_fastload.tools.vllm_server import SMALL_MODEL_FLAGS, free_port, vllm_env
 
+from .conftest import run_scenario
+
 pytestmark = pytest.mark.vllm
 
 GiB = 1 << 30
