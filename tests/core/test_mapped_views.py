@@ -126,7 +126,7 @@ def test_a_mostly_cached_chunk_is_mapped_and_its_missing_pages_advised(ckpt, mon
     """Pages reclaimed here and there: O_DIRECT would fetch the whole chunk from disk again."""
     path, tensors = ckpt
     monkeypatch.setattr(host, "_cached", lambda fd, offsets: False)
-    monkeypatch.setattr(host.pagecache, "cached_share", lambda fd, start, end: share)
+    monkeypatch.setattr(host.pagecache, "cached_share", lambda fd, start, end, **_: share)
     advised: list = []
     real = host.advise
     monkeypatch.setattr(host, "advise", lambda fd, calls: advised.append(len(calls)) or real(fd, calls))

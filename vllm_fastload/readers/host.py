@@ -151,9 +151,13 @@ class HostReader(Reader):
         return window
 
     def populate_mapped(self, sf: SafetensorsFile, window: torch.Tensor, first: int) -> Pending | None:
-        """The window's pages brought in on the reader's threads, a ``read_size`` piece each (see
-        ``mapped.populate``)."""
+        """Where pages of the window are not in the page cache (the disk must be read): they are
+        brought in on the reader's threads, a ``read_size`` piece each (see ``mapped.populate``).
+        A window wholly in the page cache needs no read that could fail or stall, and mapping its
+        pages ahead would only add to the caller's copy."""
         piece, length = int(self.config.read_size), window.numel()
+        if sf.fd is None or mapped.wholly_cached(sf.fd, first, first + length):
+            return None
         return Pending([self.threads().submit(mapped.populate, window, sf.path, done, min(piece, length - done),
                                               first + done) for done in range(0, length, piece)])
 

@@ -14,10 +14,12 @@ also cold chunks, after advising them (see ``HostReader.mapped``).
 
 Only on local filesystems: where the bytes cross a network, an I/O error or a change on the server
 under a mapping is ``SIGBUS``, which ends the process, where a read would raise an error naming
-the file. On a local disk the pages are brought in before anyone copies out of them
-(``populate``, ``MADV_POPULATE_READ``, on the reader's threads): a page that cannot be read (a
-failing disk) or that lies past the end of a file cut short fails that call with an error, which
-becomes a ``ReadError`` naming the file and offset. What no check can catch is the file cut
+the file. On a local disk, where some of a range's pages are not in the page cache (the disk must
+be read), they are brought in before anyone copies out of them (``populate``,
+``MADV_POPULATE_READ``, on the reader's threads): a page that cannot be read (a failing disk) or
+that lies past the end of a file cut short fails that call with an error, which becomes a
+``ReadError`` naming the file and offset. A range wholly in the page cache (a sample of its pages)
+is copied out as it is: there is no read to fail, and mapping its pages ahead only adds to the copy. What no check can catch is the file cut
 short in the moment between that and the copy: touching a page past the new end then raises
 ``SIGBUS``, which ends the process, as it does for safetensors' own mapping (a signal handler
 cannot resume a copy inside C code). ``check_file_changes`` notices a change made earlier.
@@ -39,6 +41,7 @@ import torch
 from vllm_fastload.errors import ReadError
 from vllm_fastload.libc import MAP_FAILED, keeping_gil, releasing_gil
 from vllm_fastload.plan import Rows
+from vllm_fastload.readers import pagecache
 from vllm_fastload.readers.memory import MADV_POPULATE_READ
 from vllm_fastload.readers.threads import reading
 from vllm_fastload.sources.fstype import filesystem_type, is_network
@@ -70,7 +73,7 @@ def copy_rows(fd: int, path: str, rows: Rows, view: memoryview) -> bool:
             mapping.madvise(mmap.MADV_RANDOM)
         except (OSError, AttributeError):
             pass
-        if not _populated(_address(mapping), end - start):
+        if not wholly_cached(fd, rows.offset, end) and not _populated(_address(mapping), end - start):
             return False
         _strided_copy(mapping, rows.offset - start, rows, view)
     finally:
@@ -106,6 +109,16 @@ def _strided_copy(mapping: mmap.mmap, first: int, rows: Rows, view: memoryview) 
     finally:
         # No array may still view the mapping when it closes, not even from an error's traceback.
         whole = source = packed = None
+
+
+#: Pages sampled to tell whether a range is wholly in the page cache (see ``wholly_cached``).
+CACHE_SAMPLES = 64
+
+
+def wholly_cached(fd: int, start: int, end: int) -> bool:
+    """Whether a sample of the range's pages finds every one in the page cache: then copying out of
+    a mapping of it reads nothing from the disk, and nothing needs bringing in first."""
+    return pagecache.cached_share(fd, start, end, samples=CACHE_SAMPLES) == 1.0
 
 
 def _populated(address: int, length: int) -> bool:
