@@ -220,7 +220,7 @@ def _slow_disk(checkpoint: Path, work: Path) -> Iterator[tuple[Path, Path]]:
 def _killed_start(model: Path, slow: Path, tmp_path: Path, name: str, kill: str) -> str:
     """A TP=2 start of ``model`` (on the slow disk, evicted from the page cache first) by a server
     in the throttled group ``slow``, killed once both ranks have begun their loads: ``worker``
-    SIGKILLs rank 1's process, ``server`` SIGTERMs the server. Returns its log, having checked
+    SIGKILLs rank 1's process, ``server`` SIGTERMs the server's process group. Returns its log, having checked
     that nothing of it is left."""
     evict(sorted(str(p) for p in model.glob("*.safetensors")))
     log, tmpdir, shm_before = tmp_path / f"{name}.log", tmp_path / f"{name}-tmp", _shm()
@@ -237,8 +237,9 @@ def _killed_start(model: Path, slow: Path, tmp_path: Path, name: str, kill: str)
         killed_at = time.monotonic()
         if kill == "worker":
             os.kill(max(int(p.name.split("-")[1]) for p in begun), signal.SIGKILL)
-        else:
-            os.kill(proc.pid, signal.SIGTERM)
+        else:  # to every process of the start, as systemd stops a service (KillMode=control-group): vLLM
+            # 0.32's server alone, sent SIGTERM while its engine starts, finished starting and served
+            os.killpg(proc.pid, signal.SIGTERM)
         code = proc.wait(timeout=EXIT_BOUND_S)
         ended_in = time.monotonic() - killed_at
     finally:
