@@ -22,6 +22,11 @@ unmapped page cache); they show in the reading process's RSS while held. Where t
 instead, and nothing is held. A file that cannot be read is skipped: the loader reads it at load
 time and reports what is wrong. The caller bounds it by memory: the files are read only if they
 fit in a share of the memory available now (``available_memory``).
+
+A file is read whole, or only some byte ranges of it (``FileRanges``: the share of a checkpoint
+that the ranks of one node of a multi-node start hold). The ranges are read as they are given,
+each widened to whole pages; the caller coalesces them first (``coalesce``), since the gaps it
+leaves are what the pages it reads are chosen by.
 """
 
 from __future__ import annotations
@@ -39,7 +44,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 logger = logging.getLogger("vllm_fastload")
@@ -56,24 +62,54 @@ def available_memory() -> int:
     return available
 
 
-def read_ahead(paths: Sequence[str], *, limit: int, hold: LoadMarks | None = None,
+@dataclass(frozen=True)
+class FileRanges:
+    """Byte ranges of one file to read early: ``spans`` of ``[start, end)``, sorted and disjoint."""
+
+    path: str
+    spans: tuple[tuple[int, int], ...]
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes the spans cover."""
+        return sum(end - start for start, end in self.spans)
+
+
+def coalesce(spans: Iterable[tuple[int, int]], gap: int) -> tuple[tuple[int, int], ...]:
+    """``spans`` sorted, empty ones dropped, and those at most ``gap`` bytes apart (or overlapping)
+    merged into one."""
+    merged: list[list[int]] = []
+    for start, end in sorted(spans):
+        if end <= start:
+            continue
+        if merged and start <= merged[-1][1] + gap:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return tuple((start, end) for start, end in merged)
+
+
+def read_ahead(paths: Sequence[str | FileRanges], *, limit: int, hold: LoadMarks | None = None,
                hold_s: float = 0.0) -> EarlyReads | None:
-    """Start reading ``paths`` into the page cache in a process of its own, if together they fit
-    in ``limit`` bytes; None (and nothing done) otherwise.
+    """Start reading ``paths`` (each a whole file, or some ranges of one) into the page cache in a
+    process of its own, if together they fit in ``limit`` bytes; None (and nothing done) otherwise.
 
     With ``hold``, the process stops reading when a load begins, and keeps the files mapped until
     every load it expects has ended (looked for every ``POLL_S``), ``hold_s`` seconds have passed
     since the reads ended, memory runs low, or this process ends (its exit ends the reading process
     too); then it unmaps them, removes the marks and ends."""
-    total = sum(os.path.getsize(p) for p in paths)
+    files = [p.path if isinstance(p, FileRanges) else p for p in paths]
+    spans = {p.path: p.spans for p in paths if isinstance(p, FileRanges)}
+    total = sum(p.nbytes if isinstance(p, FileRanges) else os.path.getsize(p) for p in paths)
     if total > limit:
-        logger.info("fastload: no early reads: the checkpoint (%.2f GB) exceeds the share of available memory "
-                    "early reads may fill (%.2f GB); it is read at load time", total / 1e9, limit / 1e9)
+        what = "this node's share of the checkpoint" if spans else "the checkpoint"
+        logger.info("fastload: no early reads: %s (%.2f GB) exceeds the share of available memory "
+                    "early reads may fill (%.2f GB); it is read at load time", what, total / 1e9, limit / 1e9)
         return None
     if not sys.executable:
         logger.info("fastload: no early reads: no Python interpreter to run them in (sys.executable is empty)")
         return None
-    request = {"paths": list(paths), "total": total, "hold_s": hold_s, "low_memory": LOW_MEMORY,
+    request = {"paths": files, "spans": spans, "total": total, "hold_s": hold_s, "low_memory": LOW_MEMORY,
                "marks": None if hold is None else [hold.directory, hold.expected], "parent": os.getpid()}
     # -I -S: no site-packages, no environment, not even this file's directory on the path: a bare
     # interpreter that starts in milliseconds and imports only the standard library. Its output and
@@ -165,10 +201,14 @@ def _serve(request: dict[str, Any]) -> None:
 
     try:
         stop = orphaned if hold is None else (lambda: orphaned() or hold.started())
-        held, read, files, stopped = _read_in(paths, hold=hold is not None, stop=stop)
+        spans = request.get("spans") or {}
+        held, read, files, stopped = _read_in(paths, hold=hold is not None, stop=stop, spans=spans)
         if stopped:
             _report("fastload: early reads: stopped after %.2f s, when the load began; %.2f of %.2f GB read early",
                     time.perf_counter() - start, read / 1e9, total / 1e9)
+        elif spans:
+            _report("fastload: early reads: %d of %d files in the page cache after %.2f s (%.2f GB: the ranges "
+                    "of them this node's ranks read)", files, len(paths), time.perf_counter() - start, read / 1e9)
         else:
             _report("fastload: early reads: %d of %d files in the page cache after %.2f s", files, len(paths),
                     time.perf_counter() - start)
@@ -224,16 +264,18 @@ def _memory_low(share: float) -> bool:
     return available_memory() < share * _meminfo("MemTotal")
 
 
-def _read_in(paths: list[str], *, hold: bool = False,
-             stop: Callable[[], bool] | None = None) -> tuple[list[_Mapping], int, int, bool]:
+def _read_in(paths: list[str], *, hold: bool = False, stop: Callable[[], bool] | None = None,
+             spans: dict[str, Sequence[Sequence[int]]] | None = None) -> tuple[list[_Mapping], int, int, bool]:
     """Read ``paths`` into the page cache, a chunk at a time, until ``stop()`` says to stop: the
-    mappings of the files when ``hold`` (else none), the bytes read, the files read whole, and
-    whether it stopped.
+    mappings of the files when ``hold`` (else none), the bytes read, the files read whole (or
+    every span of), and whether it stopped. ``spans``: for the files named, only these
+    ``[start, end)`` ranges (see ``_pieces``).
 
     Stopping matters once a load has begun: it reads what it needs itself, in its own order, and
     reading the same bytes here would only make the two share the disk."""
     held: list[_Mapping] = []
-    buffer: bytearray | None = None  # set once the kernel cannot populate mappings
+    buffer: bytearray | None = None  # for reads through a buffer (made on first use)
+    unmappable = False  # the kernel cannot populate mappings: every chunk through the buffer, nothing held
     read = files = 0
     stopped = False
     for path in paths:
@@ -244,18 +286,28 @@ def _read_in(paths: list[str], *, hold: bool = False,
         try:
             with open(path, "rb", buffering=0) as f:
                 size = os.fstat(f.fileno()).st_size
-                if size and buffer is None:
-                    mapping = _Mapping(f.fileno(), size)
-                for offset in range(0, size, CHUNK):
-                    if stop is not None and offset and stop():
+                exact = path in (spans or {})
+                if exact:  # reads read no further than asked (no read-ahead): see ``_Mapping``
+                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
+                if size and not unmappable:
+                    mapping = _Mapping(f.fileno(), size, exact=exact)
+                pieces = list(_pieces(size, (spans or {}).get(path)))
+                for n, (offset, length) in enumerate(pieces):
+                    if stop is not None and n and stop():
                         stopped = True
                         break
-                    length = min(CHUNK, size - offset)
+                    through = exact or mapping is None  # exact: read first, then mapped (see ``_Mapping``)
+                    if exact and n + 1 < len(pieces):  # the disk reads the next piece while this one is copied
+                        os.posix_fadvise(f.fileno(), *pieces[n + 1], os.POSIX_FADV_WILLNEED)
+                    if through:
+                        buffer = buffer or bytearray(8 << 20)
+                        _read_through(f.fileno(), offset, length, buffer)
                     if mapping is not None and not mapping.populate(offset, length):
                         mapping.close()
-                        mapping, buffer = None, bytearray(8 << 20)
-                    if mapping is None and buffer is not None:  # (one of the two always is set here)
-                        _read_through(f.fileno(), offset, length, buffer)
+                        mapping, unmappable = None, True
+                        if not through:
+                            buffer = buffer or bytearray(8 << 20)
+                            _read_through(f.fileno(), offset, length, buffer)
                     read += length
                 else:
                     files += 1
@@ -268,12 +320,36 @@ def _read_in(paths: list[str], *, hold: bool = False,
     return held, read, files, stopped
 
 
+def _pieces(size: int, spans: Sequence[Sequence[int]] | None) -> Iterator[tuple[int, int]]:
+    """``(offset, length)`` of the chunks to read of a file of ``size`` bytes: all of it, or each
+    span widened to whole pages (``madvise`` takes page-aligned ranges; the kernel reads whole
+    pages anyway) and clipped to the file, in chunks of at most ``CHUNK``."""
+    page = mmap.PAGESIZE
+    sections = [(0, size)] if spans is None else [
+        (start // page * page, min(size, -(-end // page) * page)) for start, end in spans]
+    done = 0  # sections are sorted and disjoint, but widening may make neighbours overlap
+    for start, end in sections:
+        for offset in range(max(start, done), end, CHUNK):
+            yield offset, min(CHUNK, end - offset)
+        done = max(done, end)
+
+
 class _Mapping:
     """A read-only shared mapping of a whole file. (Python's ``mmap.madvise`` keeps the GIL while
-    the kernel reads: harmless in the reading process, which has one thread.)"""
+    the kernel reads: harmless in the reading process, which has one thread.)
 
-    def __init__(self, fd: int, size: int) -> None:
+    ``exact``: only some ranges of the file are read. A fault in a mapping reads around the page
+    it needs, as far as the device's read-ahead window (often several MiB), which would read what
+    other nodes' ranks hold; so such a mapping is marked random (no read-around), and the caller
+    reads each chunk through a buffer first (``_read_through`` on a descriptor advised random: it
+    reads exactly what is asked, in requests as large as the device takes), leaving the mapping
+    only cached pages to map and touch.
+    """
+
+    def __init__(self, fd: int, size: int, *, exact: bool = False) -> None:
         self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        if exact:
+            self._map.madvise(mmap.MADV_RANDOM)
 
     def populate(self, offset: int, length: int) -> bool:
         """Read a chunk into the page cache and touch each of its pages once; False where the
