@@ -6,6 +6,8 @@ the engine's arguments knows the checkpoint long before that, but not the model,
 per-rank plan: it asks the kernel to read every file of a local checkpoint into the page cache (the
 node's ranks share it), in a process of its own and on CPU time nothing else wants, where the checkpoint
 fits in half of the memory available (``early_reads``: by default on local filesystems).
+Where one model spans several nodes, each node reads only its share: the byte ranges its ranks
+hold (``node_share``), from the layout the adapter reads off the engine's configuration.
 The rank's load then finds the pages cached and copies them out. The reads stop when the first
 rank's load begins (it reads what is missing itself), and the files stay mapped in the reading
 process until every rank of this node has loaded (each leaves marks, see ``load_begins`` and
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_fastload import policy
+from vllm_fastload.model.node_share import NodeLayout, NodeShare
 
 logger = logging.getLogger("vllm_fastload")
 
@@ -55,6 +58,10 @@ class Start:
     #: The engine's revision and download directory, for a Hugging Face id (see ``files_to_read``).
     revision: str | None = None
     download_dir: str | None = None
+    #: The nodes one model spans, and what this node's ranks hold where that is several (None:
+    #: one node, or a layout the adapter could not read).
+    nodes: int = 1
+    layout: NodeLayout | None = None
 
 
 def start(engine: str, settings: Callable[[], Start]) -> None:
@@ -83,20 +90,46 @@ def _start(start: Start, engine: str) -> None:
     files = files_to_read(path, start.extra, revision=start.revision, download_dir=start.download_dir)
     if not files:
         return
+    scope = policy.early_scope(nodes=start.nodes, layout_known=start.layout is not None)
+    policy.DecisionLog().note("early reads scope", scope, nodes=start.nodes)
+    share = node_share_of(files, start.layout) if scope is policy.EarlyScope.NODE and start.layout else None
     marks = LoadMarks(local_ranks)  # removed when the reads end, or at this process's exit
     os.environ[MARKS_ENV] = marks.directory
     reads = None
     try:
         limit = int(available_memory() * policy.EARLY_READS_MEMORY_SHARE)
-        reads = read_ahead(files, limit=limit, hold=marks, hold_s=HOLD_S)
+        reads = read_ahead(files if share is None else share.ranges, limit=limit, hold=marks, hold_s=HOLD_S)
     finally:
         if reads is None:
             marks.remove()
             os.environ.pop(MARKS_ENV, None)
-    if reads is not None:
-        source = "" if os.path.isdir(path) else f" of {path} (its cached snapshot {_snapshot_of(files[0])})"
-        logger.info("fastload: early reads: %d checkpoint files (%.2f GB)%s into the page cache while %s starts",
-                    len(files), sum(os.path.getsize(f) for f in files) / 1e9, source, engine)
+    if reads is None:
+        return
+    source = "" if os.path.isdir(path) else f" of {path} (its cached snapshot {_snapshot_of(files[0])})"
+    size = sum(os.path.getsize(f) for f in files)
+    if share is None:
+        every = "" if scope is policy.EarlyScope.EVERY_FILE else f"; {scope.value}"
+        logger.info("fastload: early reads: %d checkpoint files (%.2f GB)%s into the page cache while %s starts%s",
+                    len(files), size / 1e9, source, engine, every)
+        return
+    assert start.layout is not None
+    logger.info("fastload: early reads: %d checkpoint files (%.2f of %.2f GB: %.3f of the checkpoint, %.3f of its "
+                "layers; %s)%s into the page cache while %s starts", len(files), share.read / 1e9, size / 1e9,
+                share.read / max(size, 1), share.layer_share, start.layout.describe(), source, engine)
+
+
+def node_share_of(files: list[str], layout: NodeLayout) -> NodeShare:
+    """The ranges of the checkpoint ``files`` that ``layout``'s node reads early (``node_share``),
+    from the files' headers."""
+    from vllm_fastload.checkpoint import Checkpoint
+    from vllm_fastload.model.node_share import node_share
+
+    ckpt = Checkpoint.discover(files)
+    try:
+        headers = {name: sf.data_offset for name, sf in ckpt.files.items()}
+        return node_share(ckpt.tensors, headers, layout, gap=policy.EARLY_READS_GAP)
+    finally:
+        ckpt.close()
 
 
 def files_to_read(path: str, extra: dict[str, Any], *, revision: str | None = None,
