@@ -191,6 +191,23 @@ def test_one_node_reads_every_file_as_before():
     assert policy.early_scope(nodes=2, layout_known=False) is policy.EarlyScope.UNKNOWN_LAYOUT
 
 
+def test_several_nodes_with_an_unknown_layout_read_every_file_and_say_why(dense: Path, monkeypatch, caplog):
+    for key in (early.STARTED_ENV, early.MARKS_ENV):
+        monkeypatch.delenv(key, raising=False)
+    with caplog.at_level(logging.INFO, logger="vllm_fastload"):
+        early.start("test", lambda: early.Start(path=str(dense), extra={}, local_ranks=1, nodes=2))
+        try:
+            _wait_for(caplog, "files in the page cache after")
+        finally:
+            early.load_begins()
+            early.load_ends()
+        _wait_for(caplog, "files released after")
+    assert re.search(r"early reads: 2 checkpoint files \([\d.]+ GB\) into the page cache while test starts; every "
+                     r"file: the start spans several nodes, but what this node's ranks hold is unknown", caplog.text)
+    assert "2 of 2 files in the page cache after" in caplog.text and "the ranges of them" not in caplog.text
+    monkeypatch.delenv(early.STARTED_ENV, raising=False)
+
+
 def _wait_for(caplog, text: str, timeout: float = 60) -> None:
     import time
 
