@@ -23,10 +23,9 @@ instead, and nothing is held. A file that cannot be read is skipped: the loader 
 time and reports what is wrong. The caller bounds it by memory: the files are read only if they
 fit in a share of the memory available now (``available_memory``).
 
-A file is read whole, or only some byte ranges of it (``FileRanges``: the share of a checkpoint
-that the ranks of one node of a multi-node start hold). The ranges are read as they are given,
-each widened to whole pages; the caller coalesces them first (``coalesce``), since the gaps it
-leaves are what the pages it reads are chosen by.
+A file is read whole, or only some byte ranges of it (``FileRanges``: on a start over several
+nodes, the part of the checkpoint this node's ranks hold; ``coalesce`` merges ranges that lie
+close). Ranges are read exactly, widened only to whole pages (see ``_Mapping``).
 """
 
 from __future__ import annotations
