@@ -59,7 +59,7 @@ SOURCE_LOADERS = {"sshfs": ["fastload", "fastload-early", "safetensors", "safete
 PP_COMPILATION = {"mode": 1, "backend": "eager"}
 #: The early-reads line of a node that reads its share (``model.early``).
 NODE_READS = re.compile(r"fastload: early reads: \d+ checkpoint files \([\d.]+ of [\d.]+ GB: ([\d.]+) of the "
-                        r"checkpoint, ([\d.]+) of its layers; node \d of \d holds [^)]*\)")
+                        r"checkpoint, ([\d.]+) of its layers; node \d of \d holds .*?\) into the page cache")
 #: Targets: name -> (limit, what it checks); ratios of medians.
 TARGETS = {
     "nodes-bytes": (1.10, "bytes both nodes pulled from the server / checkpoint, fastload"),
