@@ -272,51 +272,74 @@ def _read_in(paths: list[str], *, hold: bool = False, stop: Callable[[], bool] |
 
     Stopping matters once a load has begun: it reads what it needs itself, in its own order, and
     reading the same bytes here would only make the two share the disk."""
+    reader = _FileReader()
     held: list[_Mapping] = []
-    buffer: bytearray | None = None  # for reads through a buffer (made on first use)
-    unmappable = False  # the kernel cannot populate mappings: every chunk through the buffer, nothing held
     read = files = 0
     stopped = False
     for path in paths:
         if stop is not None and (stopped or stop()):
             stopped = True
             break
-        mapping = None
-        try:
-            with open(path, "rb", buffering=0) as f:
-                size = os.fstat(f.fileno()).st_size
-                exact = path in (spans or {})
-                if exact:  # reads read no further than asked (no read-ahead): see ``_Mapping``
-                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
-                if size and not unmappable:
-                    mapping = _Mapping(f.fileno(), size, exact=exact)
-                pieces = list(_pieces(size, (spans or {}).get(path)))
-                for n, (offset, length) in enumerate(pieces):
-                    if stop is not None and n and stop():
-                        stopped = True
-                        break
-                    through = exact or mapping is None  # exact: read first, then mapped (see ``_Mapping``)
-                    if exact and n + 1 < len(pieces):  # the disk reads the next piece while this one is copied
-                        os.posix_fadvise(f.fileno(), *pieces[n + 1], os.POSIX_FADV_WILLNEED)
-                    if through:
-                        buffer = buffer or bytearray(8 << 20)
-                        _read_through(f.fileno(), offset, length, buffer)
-                    if mapping is not None and not mapping.populate(offset, length):
-                        mapping.close()
-                        mapping, unmappable = None, True
-                        if not through:
-                            buffer = buffer or bytearray(8 << 20)
-                            _read_through(f.fileno(), offset, length, buffer)
-                    read += length
-                else:
-                    files += 1
-        except (OSError, ValueError):  # ValueError: mmap of a file that shrank since its size was read
-            pass  # the loader reads this file at load time and says what is wrong with it
+        mapping, nbytes, whole, stopped = reader.read(path, (spans or {}).get(path), stop)
+        read, files = read + nbytes, files + whole
         if mapping is not None and hold:
             held.append(mapping)
         elif mapping is not None:
             mapping.close()
     return held, read, files, stopped
+
+
+class _FileReader:
+    """Reads one file after another, chunk by chunk: mapped and populated; through a buffer first
+    where only ranges of it are read (see ``_Mapping``); through the buffer alone once the kernel
+    turns out not to populate mappings (nothing is held then)."""
+
+    def __init__(self) -> None:
+        self._buffer: bytearray | None = None  # made on first use
+        self._unmappable = False
+
+    def read(self, path: str, spans: Sequence[Sequence[int]] | None,
+             stop: Callable[[], bool] | None) -> tuple[_Mapping | None, int, bool, bool]:
+        """The file's mapping (None: none made), the bytes read, whether it was read to its end,
+        and whether ``stop()`` stopped it. A file that cannot be read is left where it failed: the
+        loader reads it at load time and says what is wrong with it."""
+        mapping, read = None, 0
+        try:
+            with open(path, "rb", buffering=0) as f:
+                fd, exact = f.fileno(), spans is not None
+                size = os.fstat(fd).st_size
+                if exact:  # reads read no further than asked (no read-ahead): see ``_Mapping``
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+                if size and not self._unmappable:
+                    mapping = _Mapping(fd, size, exact=exact)
+                pieces = list(_pieces(size, spans))
+                for n, (offset, length) in enumerate(pieces):
+                    if stop is not None and n and stop():
+                        return mapping, read, False, True
+                    if exact and n + 1 < len(pieces):  # the disk reads the next piece while this one is copied
+                        os.posix_fadvise(fd, *pieces[n + 1], os.POSIX_FADV_WILLNEED)
+                    mapping = self._chunk(fd, mapping, offset, length, exact)
+                    read += length
+        except (OSError, ValueError):  # ValueError: mmap of a file that shrank since its size was read
+            return mapping, read, False, False
+        return mapping, read, True, False
+
+    def _chunk(self, fd: int, mapping: _Mapping | None, offset: int, length: int, exact: bool) -> _Mapping | None:
+        """Read one chunk; the mapping to go on with (None once the kernel cannot populate one)."""
+        through = exact or mapping is None  # exact: read first, then mapped
+        if through:
+            self._read_through(fd, offset, length)
+        if mapping is not None and not mapping.populate(offset, length):
+            mapping.close()
+            self._unmappable = True
+            if not through:
+                self._read_through(fd, offset, length)
+            return None
+        return mapping
+
+    def _read_through(self, fd: int, offset: int, length: int) -> None:
+        self._buffer = self._buffer or bytearray(8 << 20)
+        _read_through(fd, offset, length, self._buffer)
 
 
 def _pieces(size: int, spans: Sequence[Sequence[int]] | None) -> Iterator[tuple[int, int]]:
