@@ -189,8 +189,8 @@ def start_two_nodes(models: list[str], loader: str, layout: str, envs: list[dict
         out["PYTHONPATH"] = os.pathsep.join([site, out.get("PYTHONPATH", "")])
         return out
 
-    node1_flags = ["--model", models[1], "--load-format", load_format, "--tensor-parallel-size", str(tp),
-                   "--max-model-len", "128", "--dtype", "bfloat16", "--skip-tokenizer-init", "--headless",
+    node1_flags = ["--headless", "--model", models[1], "--load-format", load_format, "--tensor-parallel-size", str(tp),
+                   "--max-model-len", "128", "--dtype", "bfloat16", "--skip-tokenizer-init",
                    "--api-server-count", "1", "--node-rank", "1",
                    *_cli_flags({k: v for k, v in kwargs.items() if k != "enforce_eager"}),
                    *(["--enforce-eager"] if pp == 1 else []),
@@ -203,7 +203,8 @@ def start_two_nodes(models: list[str], loader: str, layout: str, envs: list[dict
                                  stdout=log1, stderr=subprocess.STDOUT, env=env(1), start_new_session=True)
     try:
         with logs[0].open("wb") as log0:
-            proc = subprocess.run(cmd0, stdout=log0, stderr=subprocess.STDOUT, env=env(0), timeout=timeout)
+            node0 = subprocess.Popen(cmd0, stdout=log0, stderr=subprocess.STDOUT, env=env(0), start_new_session=True)
+            returncode = _wait_for_head(node0, node1, timeout)
     finally:
         _stop(node1)
         for log in logs:
@@ -212,8 +213,8 @@ def start_two_nodes(models: list[str], loader: str, layout: str, envs: list[dict
     ranks = sorted((json.loads(p.read_text()) for p in probe.glob("rank*.json")), key=lambda r: r["rank"])
     models_ = {r["rank"]: r for r in (json.loads(p.read_text()) for p in probe.glob("model*.json"))}
     ready = probe / "ready.json"
-    if proc.returncode != 0 or len(ranks) != pp * tp or not ready.exists():
-        return {"error": f"exit {proc.returncode}, {len(ranks)} rank records: {root_cause(texts[0] + texts[1])} "
+    if returncode != 0 or len(ranks) != pp * tp or not ready.exists():
+        return {"error": f"exit {returncode}, {len(ranks)} rank records: {root_cause(texts[0] + texts[1])} "
                          f"(logs: {logs[0]}, {logs[1]})"}
     for r in ranks:
         r.update({k: v for k, v in models_.get(r["rank"], {}).items() if k != "rank"})
@@ -221,6 +222,18 @@ def start_two_nodes(models: list[str], loader: str, layout: str, envs: list[dict
     return {"ranks": ranks, "ready_s": json.loads(ready.read_text())["ready_at"] - started,
             "early_layers": [float(m.group(2)) if m else None for m in early],
             "early_share": [float(m.group(1)) if m else None for m in early]}
+
+
+def _wait_for_head(node0: subprocess.Popen, node1: subprocess.Popen, timeout: float) -> int:
+    """Node 0's exit status; node 0 is stopped where node 1 ends first (it would wait for node 1's
+    ranks until vLLM's own timeouts) or the start runs past ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while node0.poll() is None:
+        if node1.poll() is not None or time.monotonic() > deadline:
+            _stop(node0)
+            break
+        time.sleep(0.5)
+    return node0.wait()
 
 
 def _stop(proc: subprocess.Popen) -> None:
