@@ -67,6 +67,10 @@ def _bench(args: argparse.Namespace) -> int:
         from vllm_fastload.bench.sglang import main as sglang_main
 
         return sglang_main(args)
+    if args.nodes == 2:
+        from vllm_fastload.bench.multinode import main as nodes_main
+
+        return nodes_main(args)
     from vllm_fastload.bench.vllm import main
 
     return main(args)
@@ -188,6 +192,14 @@ def _add_bench(sub: Any) -> None:
                         "(cold-tp1, cold-tp2, warm-floor, warm-default, disk-tp2, netfs-default, netfs-prefetch, "
                         "s3-bytes-tp2, s3-runai-tp2, s3-runai-tp1, s3-limit-tp1, model-cold-warm, model-cold-tp1, "
                         "model-cold-tp2, model-warm, ready-cold, weights-warm-tp2, hub-cold)")
+    p.add_argument("--nodes", type=int, default=1, choices=[1, 2],
+                   help="2: two vLLM nodes on this machine (vLLM's --nnodes over loopback), one rank each, reading "
+                        "the checkpoint from --source sshfs (a mount per node), s3 (a counting proxy per node) or "
+                        "local (a copy per node); bytes each node pulls and each node's early reads "
+                        "(--repeats, --loaders, --model, --out, --targets apply; targets: all, nodes-bytes, "
+                        "nodes-default, nodes-prefetch, nodes-early, nodes-cached)")
+    p.add_argument("--layout", default="pp", choices=["pp", "tp"],
+                   help="with --nodes 2: pp (two pipeline stages, one per node) or tp (TP=2 over the two nodes)")
     p.add_argument("--release-memory", type=float, default=0, metavar="GIB",
                    help="first touch and free this much memory and wait a minute, so that fresh memory is slow "
                         "to touch as on a freshly started VM (free page reporting)")

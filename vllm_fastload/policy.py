@@ -73,6 +73,10 @@ NETWORK_DEFAULTS: dict[str, object] = {"strided_min_skip": NETWORK_STRIDED_MIN_S
 #: The share of the memory available at start-up that early reads may fill with page cache: more
 #: would evict what the engine's start-up itself needs, for pages the load then reads anyway.
 EARLY_READS_MEMORY_SHARE = 0.5
+#: Byte ranges of a node's share of a checkpoint at most this far apart are read early as one: a
+#: sequential read brings in about this much ahead anyway (the kernel's default read-ahead), and
+#: every separate range is another call, on a network filesystem another request.
+EARLY_READS_GAP = 128 << 10
 
 
 # -- decisions -------------------------------------------------------------------------------
@@ -467,6 +471,26 @@ def early_reads_memory(size: int, limits: Iterable[H]) -> EarlyReadsMemory[H]:
     lowest = min(limits, key=lambda limit: limit.free)
     allowed = int(lowest.free * EARLY_READS_MEMORY_SHARE)
     return EarlyReadsMemory(size <= allowed, lowest, allowed)
+
+
+class EarlyScope(str, enum.Enum):
+    """What of the checkpoint a node reads early."""
+
+    #: One node: its ranks hold the whole model between them (and share its page cache).
+    EVERY_FILE = "every file: the ranks on this node hold the whole model between them"
+    #: Several nodes, and the engine's layout of this node's ranks could not be read.
+    UNKNOWN_LAYOUT = "every file: the start spans several nodes, but what this node's ranks hold is unknown"
+    #: Several nodes: the layers, experts, slices, embeddings and head this node's ranks hold.
+    NODE = "this node's share: what its ranks hold"
+
+
+def early_scope(*, nodes: int, layout_known: bool) -> EarlyScope:
+    """What a node reads early, where one model spans ``nodes`` nodes: with one, every file; with
+    several, the node's share (``model.node_share``) where the layout of its ranks is known, else
+    every file (more than its ranks read, never less)."""
+    if nodes <= 1:
+        return EarlyScope.EVERY_FILE
+    return EarlyScope.NODE if layout_known else EarlyScope.UNKNOWN_LAYOUT
 
 
 class DecisionLog:

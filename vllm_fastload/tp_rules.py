@@ -3,28 +3,19 @@
 The vLLM loader does not use this: it learns each rank's slices from the model itself. This
 is the usual Megatron layout by Hugging Face tensor names, good enough to see what a rank
 would read: column-parallel weights (and their biases) split along dim 0, row-parallel
-weights along dim 1, everything else (norms, row-parallel biases, routers) whole.
+weights along dim 1, everything else (norms, row-parallel biases, routers) whole. The rules
+themselves live with the early reads of a multi-node start, which estimate a node's slices by
+them too (``model.node_share``).
 """
 
 from __future__ import annotations
 
 from vllm_fastload.checkpoint import Checkpoint
+from vllm_fastload.model.node_share import COLUMN, ROW, split_dim
 from vllm_fastload.plan import TensorRequest
 from vllm_fastload.sizes import ceil_div
 
-COLUMN = ("q_proj", "k_proj", "v_proj", "qkv_proj", "gate_proj", "up_proj", "gate_up_proj", "w1", "w3",
-          "embed_tokens", "lm_head", "query_key_value", "c_fc", "fc1", "wte")
-ROW = ("o_proj", "down_proj", "w2", "dense", "c_proj", "fc2", "out_proj")
-
-
-def split_dim(name: str, ndim: int) -> int | None:
-    parts = name.split(".")
-    module = parts[-2] if len(parts) >= 2 else parts[0]
-    if module in COLUMN:
-        return 0
-    if module in ROW and parts[-1] == "weight" and ndim == 2:
-        return 1
-    return None
+__all__ = ["COLUMN", "ROW", "rank_requests", "split_dim"]
 
 
 def rank_requests(checkpoint: Checkpoint, tp: int, rank: int) -> list[TensorRequest]:

@@ -58,3 +58,47 @@ def test_network_targets() -> None:
     missing = bench.check_targets(rows[:1], {"netfs-prefetch": 1.0})
     assert missing == [{"target": "netfs-prefetch", "tp": "tp1", "value": None, "limit": 1.0, "ok": False,
                         "detail": "rows not measured"}]
+
+
+def test_two_node_arguments_and_targets() -> None:
+    """``bench --nodes 2``: the layouts and loaders it runs, and its targets judged from its rows."""
+    from vllm_fastload.bench import multinode
+
+    args = build_parser().parse_args(["bench", "--nodes", "2", "--source", "sshfs", "--layout", "tp"])
+    assert (args.nodes, args.layout) == (2, "tp")
+    assert build_parser().parse_args(["bench"]).nodes == 1
+    assert multinode.SOURCE_LOADERS["sshfs"] == ["fastload", "fastload-early", "safetensors", "safetensors-prefetch"]
+    assert multinode._cli_flags({"pipeline_parallel_size": 2, "enforce_eager": False, "x": {"a": 1}, "flag": True}) \
+        == ["--pipeline-parallel-size", "2", "--x", '{"a": 1}', "--flag"]
+    run = {"ranks": [{"rank": 0, "seconds": 1.0, "own_cached": 0.95}, {"rank": 1, "seconds": 2.0}],
+           "ready_s": 30.0, "pulled": [500, 520], "early_layers": [0.5, None]}
+    base = {**run, "ranks": [{"rank": 0, "seconds": 4.0}, {"rank": 1, "seconds": 4.0}], "pulled": [1000, 1000],
+            "early_layers": [None, None]}
+    rows = multinode.summarize({"fastload": [run], "safetensors": [base], "safetensors-prefetch": [{"error": "x"}]},
+                               1000)
+    assert rows[0]["pulled_median"] == pytest.approx(1.02) and rows[0]["seconds_median"] == 2.0
+    assert rows[2] == {"loader": "safetensors-prefetch", "error": "x"}
+    got = {v["target"]: v for v in multinode.check(rows, multinode._parse_targets("all"), "pp")}
+    assert got["nodes-bytes"]["ok"] and "safetensors: 2.00x" in got["nodes-bytes"]["detail"]
+    assert got["nodes-default"]["ok"] and got["nodes-default"]["value"] == pytest.approx(0.5)
+    assert not got["nodes-prefetch"]["ok"] and got["nodes-prefetch"]["value"] is None  # its row failed
+    assert got["nodes-early"]["ok"] and got["nodes-cached"]["value"] == pytest.approx(-0.95)
+    with pytest.raises(SystemExit, match="unknown target"):
+        multinode._parse_targets("nodes-bytez")
+
+
+def test_bytes_an_sshfs_server_sent_are_counted_per_mount(local_checkpoint) -> None:
+    """``netfs.served_bytes``: each mount's own server, counted on the server side (the benchmark's
+    bytes per node); a file read through one mount counts there and not at the other."""
+    from tests.netfs.conftest import require_sshfs
+    from vllm_fastload.bench import netfs
+
+    require_sshfs()
+    shard = sorted(local_checkpoint.glob("*.safetensors"))[0]
+    with netfs.sshfs_mount(local_checkpoint) as one, netfs.sshfs_mount(local_checkpoint) as two:
+        before = netfs.served_bytes(one), netfs.served_bytes(two)
+        data = (one / shard.name).read_bytes()
+        after = netfs.served_bytes(one), netfs.served_bytes(two)
+    assert len(data) == shard.stat().st_size
+    assert len(data) <= after[0] - before[0] < 1.2 * len(data) + (1 << 20)  # the data, SFTP headers, read-ahead
+    assert after[1] - before[1] < 64 << 10

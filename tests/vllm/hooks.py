@@ -39,3 +39,30 @@ def worker_identity(model) -> dict:
     loader = _LOAD_FORMAT_TO_MODEL_LOADER.get("fastload")
     return {"pid": os.getpid(), "ray_actor_id": actor_id,
             "fastload_loader": f"{loader.__module__}.{loader.__name__}" if loader else None}
+
+
+def write_digests_after_load(out_dir: str) -> None:
+    """Wrap ``BaseModelLoader.load_model`` (once per process): each rank writes its parameter
+    digests to ``out_dir/rank<N>.json`` when its model is loaded and post-processed."""
+    import functools
+
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    original = BaseModelLoader.load_model
+    if getattr(original, "_fastload_digests", False):
+        return
+
+    @functools.wraps(original)
+    def load_model(self, *args, **kwargs):
+        import torch.distributed as dist
+
+        from vllm_fastload.tools.digests import parameter_digests
+
+        model = original(self, *args, **kwargs)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(parameter_digests(model), f)
+        return model
+
+    load_model._fastload_digests = True
+    BaseModelLoader.load_model = load_model

@@ -1,7 +1,9 @@
 """One vLLM start, as a subprocess of the tests: load, digest every parameter on every rank, generate.
 
 Run: python scenario.py MODEL LOAD_FORMAT TP OUT.json [EXTRA_CONFIG_JSON]
-(SCENARIO_LLM_KWARGS: JSON of further ``LLM(...)`` arguments, e.g. pipeline_parallel_size;
+(SCENARIO_LLM_KWARGS: JSON of further ``LLM(...)`` arguments, e.g. pipeline_parallel_size, or
+nnodes/node_rank/master_addr/master_port for the head of a multi-node start; they override the
+defaults below, enforce_eager included;
 SCENARIO_GENERATE=0: load and digest only; SCENARIO_EXECUTOR=ray: start a local Ray cluster here,
 run vLLM's Ray executor on it, and stop the cluster at the end.)
 Writes {"digests": [per-rank dict], "tokens": [...], "logprobs": [...]} or {"error": "..."}
@@ -58,9 +60,10 @@ def main() -> None:
     extra = json.loads(sys.argv[5]) if len(sys.argv) > 5 else None
     llm_kwargs = json.loads(os.environ.get("SCENARIO_LLM_KWARGS", "{}"))
     world = tp * llm_kwargs.get("pipeline_parallel_size", 1)
-    if world > 1:
+    local = world // llm_kwargs.get("nnodes", 1)  # the ranks this process starts
+    if local > 1:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
-                              "|".join(str(i % (os.cpu_count() or 1)) for i in range(world)))
+                              "|".join(str(i % (os.cpu_count() or 1)) for i in range(local)))
     executor = os.environ.get("SCENARIO_EXECUTOR") or ("mp" if world > 1 else None)
     result: dict = {}
     llm = None
@@ -72,10 +75,10 @@ def main() -> None:
         from vllm_fastload.tools.digests import parameter_digests
 
         kwargs = {"model_loader_extra_config": extra} if extra is not None else {}
+        kwargs = {"enforce_eager": True, **kwargs, **llm_kwargs}
         llm = LLM(model=model, load_format=load_format, tensor_parallel_size=tp, max_model_len=128,
-                  enforce_eager=True, dtype="bfloat16", skip_tokenizer_init=True, seed=0,
-                  kv_cache_memory_bytes=KV_CACHE_BYTES,
-                  distributed_executor_backend=executor, **kwargs, **llm_kwargs)
+                  dtype="bfloat16", skip_tokenizer_init=True, seed=0, kv_cache_memory_bytes=KV_CACHE_BYTES,
+                  distributed_executor_backend=executor, **kwargs)
         result["digests"] = llm.apply_model(parameter_digests)
         if executor == "ray":
             from hooks import worker_identity

@@ -186,3 +186,40 @@ def sshfs_mount(directory: str | os.PathLike, options: tuple[str, ...] = (),
                 yield mountpoint
             finally:
                 unmount(mountpoint)
+
+
+def served_bytes(mountpoint: str | os.PathLike) -> int:
+    """Bytes the server of an ``sshfs_mount`` has sent for it so far: the ``wchar`` (``/proc/PID/io``)
+    of the SFTP server processes its private ``sshd`` runs, which write every reply (file data and
+    SFTP headers) to the connection. Counted on the server side, so a client's page cache, read-ahead
+    and retries all show as they would on a network."""
+    config = str(Path(mountpoint).parent / "sshd_config")
+    parents: dict[int, int] = {}
+    servers: list[int] = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()  # sshd rewrites it into one string
+        except OSError:
+            continue
+        parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+        if config.encode() in cmdline:
+            servers.append(int(entry))
+    total = 0
+    for pid in parents:
+        ancestor = parents.get(pid)
+        while ancestor and ancestor not in servers:
+            ancestor = parents.get(ancestor)
+        if not ancestor:
+            continue
+        try:
+            if b"sftp-server" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                continue
+            for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+                if line.startswith("wchar:"):
+                    total += int(line.split()[1])
+        except OSError:
+            continue
+    return total

@@ -66,7 +66,9 @@ def _timed(cls, out_dir: Path):
                   # fastload's own split of the time (probe, plan, read, post, ...), as in its log line
                   "phases": (getattr(self, "report", None) or {}).get("phases"),
                   # the share of the checkpoint in the page cache as fastload's load began
-                  "cached": (getattr(self, "report", None) or {}).get("cached")}
+                  "cached": (getattr(self, "report", None) or {}).get("cached"),
+                  # the share of the tensors its plan reads in the page cache as its reads began
+                  "own_cached": (getattr(self, "report", None) or {}).get("own_cached")}
         (out_dir / f"rank{rank}-{os.getpid()}-{next(_loads)}.json").write_text(json.dumps(record))
         return result
 

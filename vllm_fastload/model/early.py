@@ -7,6 +7,8 @@ per-rank plan: it asks the kernel to read every file of a local checkpoint into 
 node's ranks share it), in a process of its own and on CPU time nothing else wants, where the checkpoint
 fits in half of the memory free under the lowest memory limit (``policy.early_reads_memory``: the
 machine's, and every cgroup's over the process) (``early_reads``: by default on local filesystems).
+Where one model spans several nodes, each node reads only its share: the byte ranges its ranks
+hold (``node_share``), from the layout the adapter reads off the engine's configuration.
 The rank's load then finds the pages cached and copies them out. The reads stop when the first
 rank's load begins (it reads what is missing itself), and the files stay mapped in the reading
 process until every rank of this node has loaded (each leaves marks, see ``load_begins`` and
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_fastload import policy
+from vllm_fastload.model.node_share import NodeLayout, NodeShare
 
 logger = logging.getLogger("vllm_fastload")
 
@@ -56,6 +59,10 @@ class Start:
     #: The engine's revision and download directory, for a Hugging Face id (see ``files_to_read``).
     revision: str | None = None
     download_dir: str | None = None
+    #: The nodes one model spans, and what this node's ranks hold where that is several (None:
+    #: one node, or a layout the adapter could not read).
+    nodes: int = 1
+    layout: NodeLayout | None = None
 
 
 def start(engine: str, settings: Callable[[], Start]) -> None:
@@ -86,28 +93,56 @@ def _start(start: Start, engine: str) -> None:
     if not files:
         return
     total = sum(os.path.getsize(f) for f in files)
-    memory = policy.early_reads_memory(total, memory_limits())
-    policy.DecisionLog().note("early reads memory", memory.fits, size=total, allowed=memory.allowed,
+    scope = policy.early_scope(nodes=start.nodes, layout_known=start.layout is not None)
+    policy.DecisionLog().note("early reads scope", scope, nodes=start.nodes)
+    share = node_share_of(files, start.layout) if scope is policy.EarlyScope.NODE and start.layout else None
+    wanted = total if share is None else share.read
+    memory = policy.early_reads_memory(wanted, memory_limits())
+    policy.DecisionLog().note("early reads memory", memory.fits, size=wanted, allowed=memory.allowed,
                               limit=memory.limit)
     if not memory.fits:
-        logger.info("fastload: no early reads: the checkpoint (%.2f GB) exceeds the %.2f GB early reads may fill "
+        logger.info("fastload: no early reads: %s (%.2f GB) exceeds the %.2f GB early reads may fill "
                     "(%.0f%% of the free memory under the lowest limit: %s); it is read at load time",
-                    total / 1e9, memory.allowed / 1e9, 100 * policy.EARLY_READS_MEMORY_SHARE, memory.limit.describe())
+                    "the checkpoint" if share is None else "this node's share of the checkpoint", wanted / 1e9,
+                    memory.allowed / 1e9, 100 * policy.EARLY_READS_MEMORY_SHARE, memory.limit.describe())
         return
     LoadMarks.remove_stale()  # a start killed before it could remove its own
     marks = LoadMarks(local_ranks)  # removed when the reads end, or at this process's exit
     os.environ[MARKS_ENV] = marks.directory
     reads = None
     try:
-        reads = read_ahead(files, limit=memory.allowed, hold=marks, hold_s=HOLD_S)
+        reads = read_ahead(files if share is None else share.ranges, limit=memory.allowed, hold=marks, hold_s=HOLD_S)
     finally:
         if reads is None:
             marks.remove()
             os.environ.pop(MARKS_ENV, None)
-    if reads is not None:
-        source = "" if os.path.isdir(path) else f" of {path} (its cached snapshot {_snapshot_of(files[0])})"
+    if reads is None:
+        return
+    source = "" if os.path.isdir(path) else f" of {path} (its cached snapshot {_snapshot_of(files[0])})"
+    limit = f"the lowest memory limit: {memory.limit.describe()}"
+    if share is None:
+        every = "" if scope is policy.EarlyScope.EVERY_FILE else f"; {scope.value}"
         logger.info("fastload: early reads: %d checkpoint files (%.2f GB)%s into the page cache while %s starts "
-                    "(the lowest memory limit: %s)", len(files), total / 1e9, source, engine, memory.limit.describe())
+                    "(%s%s)", len(files), total / 1e9, source, engine, limit, every)
+        return
+    assert start.layout is not None
+    logger.info("fastload: early reads: %d checkpoint files (%.2f of %.2f GB: %.3f of the checkpoint, %.3f of its "
+                "layers; %s)%s into the page cache while %s starts (%s)", len(files), share.read / 1e9, total / 1e9,
+                share.read / max(total, 1), share.layer_share, start.layout.describe(), source, engine, limit)
+
+
+def node_share_of(files: list[str], layout: NodeLayout) -> NodeShare:
+    """The ranges of the checkpoint ``files`` that ``layout``'s node reads early (``node_share``),
+    from the files' headers."""
+    from vllm_fastload.checkpoint import Checkpoint
+    from vllm_fastload.model.node_share import node_share
+
+    ckpt = Checkpoint.discover(files)
+    try:
+        headers = {name: sf.data_offset for name, sf in ckpt.files.items()}
+        return node_share(ckpt.tensors, headers, layout, gap=policy.EARLY_READS_GAP)
+    finally:
+        ckpt.close()
 
 
 def files_to_read(path: str, extra: dict[str, Any], *, revision: str | None = None,

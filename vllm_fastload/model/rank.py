@@ -69,6 +69,10 @@ class RankReport:
     #: The share of the checkpoint in the page cache as the load began (early reads, or a warm
     #: cache); None where it cannot be told (object stores).
     cached: float | None = None
+    #: The share of the tensors this rank's plan reads in the page cache as its reads began (None:
+    #: no plan, or it cannot be told); where nodes read only their share early, the figure that
+    #: says whether those reads served this rank.
+    own_cached: float | None = None
     #: Parameters no checkpoint write reached on the planned path (``ProbeResult.never_written``).
     never_written: list[str] = field(default_factory=list)
 
@@ -78,7 +82,8 @@ class RankReport:
         return {"rank": self.rank, "world": self.world, "planned": self.planned,
                 "fallback_reason": self.fallback_reason, "bytes_read": self.bytes_read,
                 "bytes_kept": self.bytes_kept, "bytes_total": self.bytes_total, "summary": self.summary,
-                "post_processed": post_processed, "phases": self.phases, "cached": self.cached}
+                "post_processed": post_processed, "phases": self.phases, "cached": self.cached,
+                "own_cached": self.own_cached}
 
     def line(self) -> str:
         """The rank's log line."""
@@ -87,6 +92,8 @@ class RankReport:
                 if self.bytes_kept else "")
         phases = ", ".join(f"{k} {v:.3f}" for k, v in self.phases.items())
         cached = f"; {self.cached:.0%} of it in the page cache as the load began" if self.cached is not None else ""
+        if self.cached is not None and self.own_cached is not None:
+            cached += f" ({self.own_cached:.0%} of the tensors this rank reads)"
         return (f"fastload rank {self.rank}/{self.world}: read {self.bytes_read / 1e6:.1f} MB of "
                 f"{self.bytes_total / 1e6:.1f} MB checkpoint ({share:.3f}{kept}) with backend {self.backend} in "
                 f"{self.seconds:.2f} s ({self.bytes_read / max(self.seconds, 1e-9) / 1e9:.2f} GB/s; seconds: "
@@ -169,7 +176,7 @@ class _Load:
                           loaded=outcome.loaded, bytes_read=stats.bytes_read if stats else 0,
                           bytes_kept=outcome.kept, bytes_total=ckpt.checkpoint.total_bytes,
                           backend=outcome.backend, seconds=time.perf_counter() - start, summary=outcome.summary,
-                          paths=outcome.paths, phases=self.phases, cached=cached,
+                          paths=outcome.paths, phases=self.phases, cached=cached, own_cached=outcome.own_cached,
                           never_written=[] if probe.unsupported else probe.never_written())
 
     def open(self, config: FastloadConfig) -> FastCheckpoint:
@@ -200,6 +207,7 @@ class _Load:
             _check_fully_used(probe, infos)
         planning = time.perf_counter()
         reads = plan_reads(probe, infos, ckpt.strided_min_skip)
+        own_cached = ckpt.cached_share({req.name for req in [*reads.targets, *reads.slabs]})
         reading = time.perf_counter()
         readiness = _Readiness(probe.placements, self.listener) if self.listener is not None else None
         summary, exchanged = _load_planned(ckpt, reads, self.sharing, readiness)
@@ -210,7 +218,7 @@ class _Load:
         if readiness is not None:
             self.phases["post"] = post
         return _Outcome(probe.loaded_params, reads.kept_bytes, ckpt.reader.name, summary,
-                        {**reads.paths(), "exchange": exchanged})
+                        {**reads.paths(), "exchange": exchanged}, own_cached)
 
     def through_model(self, ckpt: FastCheckpoint) -> tuple[set[str] | None, str]:
         return _load_through_model(self.model, ckpt, self.load_weights, self.decisions)
@@ -225,6 +233,8 @@ class _Outcome:
     backend: str
     summary: str
     paths: dict[str, int]
+    #: The share of the tensors the plan reads in the page cache as the reads began (planned path).
+    own_cached: float | None = None
 
 
 def _load_planned(ckpt: FastCheckpoint, reads: RankReads, sharing: _Sharing,

@@ -13,16 +13,16 @@ only one. The host reader maps chunks that are (mostly) cached, and with ``direc
 also cold chunks, after advising them (see ``HostReader.mapped``).
 
 Only on local filesystems: where the bytes cross a network, an I/O error or a change on the server
-under a mapping is ``SIGBUS``, which ends the process, where a read would raise an error naming
-the file. On a local disk, where some of a range's pages are not in the page cache (the disk must
-be read), they are brought in before anyone copies out of them (``populate``,
-``MADV_POPULATE_READ``, on the reader's threads): a page that cannot be read (a failing disk) or
-that lies past the end of a file cut short fails that call with an error, which becomes a
-``ReadError`` naming the file and offset. A range wholly in the page cache (a sample of its pages)
-is copied out as it is: there is no read to fail, and mapping its pages ahead only adds to the copy. What no check can catch is the file cut
-short in the moment between that and the copy: touching a page past the new end then raises
-``SIGBUS``, which ends the process, as it does for safetensors' own mapping (a signal handler
-cannot resume a copy inside C code). ``check_file_changes`` notices a change made earlier.
+under a mapping is ``SIGBUS``, which ends the process, where a read would raise an error naming the
+file. On a local disk, where some of a range's pages are not in the page cache (the disk must be
+read), they are brought in before anyone copies out of them (``populate``, ``MADV_POPULATE_READ``,
+on the reader's threads): a page that cannot be read (a failing disk) or that lies past the end of a
+file cut short fails that call with an error, which becomes a ``ReadError`` naming the file and
+offset. A range wholly in the page cache (a sample of its pages) is copied out as it is: there is no
+read to fail, and mapping its pages ahead only adds to the copy. What no check can catch is the file
+cut short in the moment between that and the copy: touching a page past the new end then raises
+``SIGBUS``, which ends the process, as it does for safetensors' own mapping (a signal handler cannot
+resume a copy inside C code). ``check_file_changes`` notices a change made earlier.
 """
 
 from __future__ import annotations

@@ -23,6 +23,10 @@ instead, and nothing is held. A file that cannot be read is skipped: the loader 
 time and reports what is wrong. The caller bounds it by memory: the files are read only if they
 fit in a share of the memory free under the lowest memory limit now (``memory_limits``,
 ``policy.early_reads_memory``).
+
+A file is read whole, or only some byte ranges of it (``FileRanges``: on a start over several
+nodes, the part of the checkpoint this node's ranks hold; ``coalesce`` merges ranges that lie
+close). Ranges are read exactly, widened only to whole pages (see ``_Mapping``).
 """
 
 from __future__ import annotations
@@ -40,7 +44,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -67,24 +72,54 @@ else:
 logger = logging.getLogger("vllm_fastload")
 
 
-def read_ahead(paths: Sequence[str], *, limit: int, hold: LoadMarks | None = None,
+@dataclass(frozen=True)
+class FileRanges:
+    """Byte ranges of one file to read early: ``spans`` of ``[start, end)``, sorted and disjoint."""
+
+    path: str
+    spans: tuple[tuple[int, int], ...]
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes the spans cover."""
+        return sum(end - start for start, end in self.spans)
+
+
+def coalesce(spans: Iterable[tuple[int, int]], gap: int) -> tuple[tuple[int, int], ...]:
+    """``spans`` sorted, empty ones dropped, and those at most ``gap`` bytes apart (or overlapping)
+    merged into one."""
+    merged: list[list[int]] = []
+    for start, end in sorted(spans):
+        if end <= start:
+            continue
+        if merged and start <= merged[-1][1] + gap:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return tuple((start, end) for start, end in merged)
+
+
+def read_ahead(paths: Sequence[str | FileRanges], *, limit: int, hold: LoadMarks | None = None,
                hold_s: float = 0.0) -> EarlyReads | None:
-    """Start reading ``paths`` into the page cache in a process of its own, if together they fit
-    in ``limit`` bytes; None (and nothing done) otherwise.
+    """Start reading ``paths`` (each a whole file, or some ranges of one) into the page cache in a
+    process of its own, if together they fit in ``limit`` bytes; None (and nothing done) otherwise.
 
     With ``hold``, the process stops reading when a load begins, and keeps the files mapped until
     every load it expects has ended (looked for every ``POLL_S``), ``hold_s`` seconds have passed
     since the reads ended, memory runs low, or this process ends (its exit ends the reading process
     too); then it unmaps them, removes the marks and ends."""
-    total = sum(os.path.getsize(p) for p in paths)
+    files = [p.path if isinstance(p, FileRanges) else p for p in paths]
+    spans = {p.path: p.spans for p in paths if isinstance(p, FileRanges)}
+    total = sum(p.nbytes if isinstance(p, FileRanges) else os.path.getsize(p) for p in paths)
     if total > limit:
-        logger.info("fastload: no early reads: the checkpoint (%.2f GB) exceeds the share of available memory "
-                    "early reads may fill (%.2f GB); it is read at load time", total / 1e9, limit / 1e9)
+        what = "this node's share of the checkpoint" if spans else "the checkpoint"
+        logger.info("fastload: no early reads: %s (%.2f GB) exceeds the share of available memory "
+                    "early reads may fill (%.2f GB); it is read at load time", what, total / 1e9, limit / 1e9)
         return None
     if not sys.executable:
         logger.info("fastload: no early reads: no Python interpreter to run them in (sys.executable is empty)")
         return None
-    request = {"paths": list(paths), "total": total, "hold_s": hold_s, "low_memory": LOW_MEMORY,
+    request = {"paths": files, "spans": spans, "total": total, "hold_s": hold_s, "low_memory": LOW_MEMORY,
                "main_thread": threading.current_thread() is threading.main_thread(),
                "marks": None if hold is None else [hold.directory, hold.expected], "parent": os.getpid()}
     # -I -S: no site-packages, no environment, not even this file's directory on the path: a bare
@@ -181,10 +216,14 @@ def _serve(request: dict[str, Any]) -> None:
 
     try:
         stop = orphaned if hold is None else (lambda: orphaned() or hold.started())
-        held, read, files, stopped = _read_in(paths, hold=hold is not None, stop=stop)
+        spans = request.get("spans") or {}
+        held, read, files, stopped = _read_in(paths, hold=hold is not None, stop=stop, spans=spans)
         if stopped:
             _report("fastload: early reads: stopped after %.2f s, when the load began; %.2f of %.2f GB read early",
                     time.perf_counter() - start, read / 1e9, total / 1e9)
+        elif spans:
+            _report("fastload: early reads: %d of %d files in the page cache after %.2f s (%.2f GB: the ranges "
+                    "of them this node's ranks read)", files, len(paths), time.perf_counter() - start, read / 1e9)
         else:
             _report("fastload: early reads: %d of %d files in the page cache after %.2f s", files, len(paths),
                     time.perf_counter() - start)
@@ -257,43 +296,25 @@ def _memory_low(share: float) -> bool:
     return any(limit.free < share * limit.limit for limit in memory_limits.memory_limits())
 
 
-def _read_in(paths: list[str], *, hold: bool = False,
-             stop: Callable[[], bool] | None = None) -> tuple[list[_Mapping], int, int, bool]:
+def _read_in(paths: list[str], *, hold: bool = False, stop: Callable[[], bool] | None = None,
+             spans: dict[str, Sequence[Sequence[int]]] | None = None) -> tuple[list[_Mapping], int, int, bool]:
     """Read ``paths`` into the page cache, a chunk at a time, until ``stop()`` says to stop: the
-    mappings of the files when ``hold`` (else none), the bytes read, the files read whole, and
-    whether it stopped.
+    mappings of the files when ``hold`` (else none), the bytes read, the files read whole (or
+    every span of), and whether it stopped. ``spans``: for the files named, only these
+    ``[start, end)`` ranges (see ``_pieces``).
 
     Stopping matters once a load has begun: it reads what it needs itself, in its own order, and
     reading the same bytes here would only make the two share the disk."""
+    reader = _FileReader()
     held: list[_Mapping] = []
-    buffer: bytearray | None = None  # set once the kernel cannot populate mappings
     read = files = 0
     stopped = False
     for path in paths:
         if stop is not None and (stopped or stop()):
             stopped = True
             break
-        mapping = None
-        try:
-            with open(path, "rb", buffering=0) as f:
-                size = os.fstat(f.fileno()).st_size
-                if size and buffer is None:
-                    mapping = _Mapping(f.fileno(), size)
-                for offset in range(0, size, CHUNK):
-                    if stop is not None and offset and stop():
-                        stopped = True
-                        break
-                    length = min(CHUNK, size - offset)
-                    if mapping is not None and not mapping.populate(offset, length):
-                        mapping.close()
-                        mapping, buffer = None, bytearray(8 << 20)
-                    if mapping is None and buffer is not None:  # (one of the two always is set here)
-                        _read_through(f.fileno(), offset, length, buffer)
-                    read += length
-                else:
-                    files += 1
-        except (OSError, ValueError):  # ValueError: mmap of a file that shrank since its size was read
-            pass  # the loader reads this file at load time and says what is wrong with it
+        mapping, nbytes, whole, stopped = reader.read(path, (spans or {}).get(path), stop)
+        read, files = read + nbytes, files + whole
         if mapping is not None and hold:
             held.append(mapping)
         elif mapping is not None:
@@ -301,12 +322,89 @@ def _read_in(paths: list[str], *, hold: bool = False,
     return held, read, files, stopped
 
 
+class _FileReader:
+    """Reads one file after another, chunk by chunk: mapped and populated; through a buffer first
+    where only ranges of it are read (see ``_Mapping``); through the buffer alone once the kernel
+    turns out not to populate mappings (nothing is held then)."""
+
+    def __init__(self) -> None:
+        self._buffer: bytearray | None = None  # made on first use
+        self._unmappable = False
+
+    def read(self, path: str, spans: Sequence[Sequence[int]] | None,
+             stop: Callable[[], bool] | None) -> tuple[_Mapping | None, int, bool, bool]:
+        """The file's mapping (None: none made), the bytes read, whether it was read to its end,
+        and whether ``stop()`` stopped it. A file that cannot be read is left where it failed: the
+        loader reads it at load time and says what is wrong with it."""
+        mapping, read = None, 0
+        try:
+            with open(path, "rb", buffering=0) as f:
+                fd, exact = f.fileno(), spans is not None
+                size = os.fstat(fd).st_size
+                if exact:  # reads read no further than asked (no read-ahead): see ``_Mapping``
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+                if size and not self._unmappable:
+                    mapping = _Mapping(fd, size, exact=exact)
+                pieces = list(_pieces(size, spans))
+                for n, (offset, length) in enumerate(pieces):
+                    if stop is not None and n and stop():
+                        return mapping, read, False, True
+                    if exact and n + 1 < len(pieces):  # the disk reads the next piece while this one is copied
+                        os.posix_fadvise(fd, *pieces[n + 1], os.POSIX_FADV_WILLNEED)
+                    mapping = self._chunk(fd, mapping, offset, length, exact)
+                    read += length
+        except (OSError, ValueError):  # ValueError: mmap of a file that shrank since its size was read
+            return mapping, read, False, False
+        return mapping, read, True, False
+
+    def _chunk(self, fd: int, mapping: _Mapping | None, offset: int, length: int, exact: bool) -> _Mapping | None:
+        """Read one chunk; the mapping to go on with (None once the kernel cannot populate one)."""
+        through = exact or mapping is None  # exact: read first, then mapped
+        if through:
+            self._read_through(fd, offset, length)
+        if mapping is not None and not mapping.populate(offset, length):
+            mapping.close()
+            self._unmappable = True
+            if not through:
+                self._read_through(fd, offset, length)
+            return None
+        return mapping
+
+    def _read_through(self, fd: int, offset: int, length: int) -> None:
+        self._buffer = self._buffer or bytearray(8 << 20)
+        _read_through(fd, offset, length, self._buffer)
+
+
+def _pieces(size: int, spans: Sequence[Sequence[int]] | None) -> Iterator[tuple[int, int]]:
+    """``(offset, length)`` of the chunks to read of a file of ``size`` bytes: all of it, or each
+    span widened to whole pages (``madvise`` takes page-aligned ranges; the kernel reads whole
+    pages anyway) and clipped to the file, in chunks of at most ``CHUNK``."""
+    page = mmap.PAGESIZE
+    sections = [(0, size)] if spans is None else [
+        (start // page * page, min(size, -(-end // page) * page)) for start, end in spans]
+    done = 0  # sections are sorted and disjoint, but widening may make neighbours overlap
+    for start, end in sections:
+        for offset in range(max(start, done), end, CHUNK):
+            yield offset, min(CHUNK, end - offset)
+        done = max(done, end)
+
+
 class _Mapping:
     """A read-only shared mapping of a whole file. (Python's ``mmap.madvise`` keeps the GIL while
-    the kernel reads: harmless in the reading process, which has one thread.)"""
+    the kernel reads: harmless in the reading process, which has one thread.)
 
-    def __init__(self, fd: int, size: int) -> None:
+    ``exact``: only some ranges of the file are read. A fault in a mapping reads around the page
+    it needs, as far as the device's read-ahead window (often several MiB), which would read what
+    other nodes' ranks hold; so such a mapping is marked random (no read-around), and the caller
+    reads each chunk through a buffer first (``_read_through`` on a descriptor advised random: it
+    reads exactly what is asked, in requests as large as the device takes), leaving the mapping
+    only cached pages to map and touch.
+    """
+
+    def __init__(self, fd: int, size: int, *, exact: bool = False) -> None:
         self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        if exact:
+            self._map.madvise(mmap.MADV_RANDOM)
 
     def populate(self, offset: int, length: int) -> bool:
         """Read a chunk into the page cache and touch each of its pages once; False where the

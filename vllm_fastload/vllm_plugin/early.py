@@ -3,16 +3,24 @@
 vLLM verifies its config (``VllmConfig.try_verify_and_update_config``) in the API server's or
 ``LLM(...)``'s process long before the workers load weights: ``start`` is called there
 (``compat.on_config``) and reads the checkpoint into the page cache for the ranks of this node.
+On a start that spans nodes (``--nnodes``, each node verifying its own config: the head's
+``LLM``/API server and every ``--headless`` node) it reads this node's share: ``_node_layout``
+reads off vLLM's config what the node's ranks hold, with vLLM's own layer partition
+(``get_pp_indices``, which honours ``VLLM_PP_LAYER_PARTITION``) and expert map.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from vllm_fastload.model import early
 from vllm_fastload.model.early import files_to_read
+from vllm_fastload.model.node_share import NodeLayout, RankHolding
 
 __all__ = ["files_to_read", "start"]
+
+logger = logging.getLogger("vllm_fastload.vllm_plugin")
 
 
 def start(vllm_config: Any) -> None:
@@ -22,10 +30,18 @@ def start(vllm_config: Any) -> None:
 
 def _settings(vllm_config: Any) -> early.Start:
     model_config, load_config = vllm_config.model_config, vllm_config.load_config
+    nodes = _nodes(vllm_config.parallel_config)
+    layout = None
+    if nodes > 1:
+        try:
+            layout = _node_layout(vllm_config)
+        except Exception as exc:  # a vLLM laid out differently: every file, as on one node
+            logger.info("fastload: early reads cannot tell what this node's ranks hold (%s: %s)",
+                        type(exc).__name__, exc)
     return early.Start(path=getattr(model_config, "model_weights", "") or model_config.model,
                        extra=getattr(load_config, "model_loader_extra_config", None) or {},
                        local_ranks=_local_ranks(vllm_config), revision=getattr(model_config, "revision", None),
-                       download_dir=getattr(load_config, "download_dir", None))
+                       download_dir=getattr(load_config, "download_dir", None), nodes=nodes, layout=layout)
 
 
 def _local_ranks(vllm_config: Any) -> int:
@@ -37,3 +53,54 @@ def _local_ranks(vllm_config: Any) -> int:
         ranks = max(int(parallel.world_size) // max(int(getattr(parallel, "nnodes", 1) or 1), 1), 1)
     engines = getattr(parallel, "data_parallel_size_local", 1)
     return int(ranks) * int(1 if engines is None else engines)
+
+
+def _nodes(parallel: Any) -> int:
+    """The nodes one model replica spans (``nnodes`` within a data-parallel rank)."""
+    nodes = getattr(parallel, "nnodes_within_dp", None)
+    if nodes is None:  # vLLM before 0.32
+        nodes = getattr(parallel, "nnodes", 1)
+    return max(int(nodes or 1), 1)
+
+
+def _node_layout(vllm_config: Any) -> NodeLayout:
+    """What each rank of this node holds, as vLLM lays ranks out: within a replica, global ranks
+    ``[local_world_size * node, ...)`` on this node, each ``pp_rank * (pcp * tp) + pcp_rank * tp +
+    tp_rank`` (``distributed.parallel_state``); layers by vLLM's ``get_pp_indices``; experts by its
+    ``determine_expert_map`` where expert parallelism is on (every expert where its placement is
+    not vLLM's plain linear one, or experts also spread across data-parallel ranks)."""
+    from vllm.distributed.utils import get_pp_indices
+
+    parallel, model_config = vllm_config.parallel_config, vllm_config.model_config
+    tp, pp = int(parallel.tensor_parallel_size), int(parallel.pipeline_parallel_size)
+    pcp = int(getattr(parallel, "prefill_context_parallel_size", 1) or 1)
+    node, local = int(parallel.node_rank_within_dp), int(parallel.local_world_size)
+    layers = int(model_config.get_total_num_hidden_layers())
+    experts = int(model_config.get_num_experts() or 0)
+    expert_parallel = experts > 0 and bool(getattr(parallel, "enable_expert_parallel", False)) and tp * pcp > 1
+    ranks = []
+    for rank in range(node * local, (node + 1) * local):
+        tp_rank, pcp_rank, pp_rank = rank % tp, rank // tp % pcp, rank // (tp * pcp)
+        first, last = get_pp_indices(layers, pp_rank, pp)
+        held = _experts(parallel, experts, tp * pcp, pcp_rank * tp + tp_rank) if expert_parallel else None
+        ranks.append(RankHolding(layers=range(first, last), embeddings=pp_rank == 0, head=pp_rank == pp - 1,
+                                 tp_rank=tp_rank, tp_size=tp, experts=held))
+    tied = bool(getattr(model_config.hf_text_config, "tie_word_embeddings", False))
+    return NodeLayout(node=node, nodes=_nodes(parallel), ranks=tuple(ranks), layers_total=layers,
+                      experts_total=experts, tied_embeddings=tied)
+
+
+def _experts(parallel: Any, experts: int, ep_size: int, ep_rank: int) -> frozenset[int] | None:
+    """The experts expert-parallel rank ``ep_rank`` holds, by vLLM's own map; None (every expert)
+    where the placement is not vLLM's linear one or also spans data-parallel ranks."""
+    if (int(getattr(parallel, "data_parallel_size", 1) or 1) > 1 or getattr(parallel, "enable_eplb", False)
+            or getattr(parallel, "expert_placement_strategy", "linear") != "linear"):
+        return None
+    try:
+        from vllm.model_executor.layers.fused_moe.expert_map_manager import determine_expert_map
+    except ImportError:  # a vLLM that keeps it elsewhere: every expert
+        return None
+    _, expert_map, _ = determine_expert_map(ep_size, ep_rank, experts, "linear")
+    if expert_map is None:
+        return None
+    return frozenset(int(i) for i in (expert_map >= 0).nonzero().flatten().tolist())

