@@ -65,6 +65,10 @@ NETWORK_DEFAULTS: dict[str, object] = {"strided_min_skip": NETWORK_STRIDED_MIN_S
 #: The share of the memory available at start-up that early reads may fill with page cache: more
 #: would evict what the engine's start-up itself needs, for pages the load then reads anyway.
 EARLY_READS_MEMORY_SHARE = 0.5
+#: Seconds early reads may wait for a CPU at idle priority before they read on as a batch job, for
+#: an engine whose start-up keeps every core busy until the load (SGLang's): long enough to tell a
+#: start-up with no idle time from a busy moment, short against its seconds before the load.
+EARLY_READS_STARVED_S = 1.0
 
 
 # -- decisions -------------------------------------------------------------------------------

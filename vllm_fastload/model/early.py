@@ -55,6 +55,10 @@ class Start:
     #: The engine's revision and download directory, for a Hugging Face id (see ``files_to_read``).
     revision: str | None = None
     download_dir: str | None = None
+    #: Where the engine's start-up may leave no idle CPU time: the seconds the reading process may
+    #: wait for a CPU before it leaves idle priority (``sources.readahead.read_ahead``); None keeps
+    #: it at idle priority throughout.
+    starved_s: float | None = None
 
 
 def start(engine: str, settings: Callable[[], Start]) -> None:
@@ -88,7 +92,7 @@ def _start(start: Start, engine: str) -> None:
     reads = None
     try:
         limit = int(available_memory() * policy.EARLY_READS_MEMORY_SHARE)
-        reads = read_ahead(files, limit=limit, hold=marks, hold_s=HOLD_S)
+        reads = read_ahead(files, limit=limit, hold=marks, hold_s=HOLD_S, starved_s=start.starved_s)
     finally:
         if reads is None:
             marks.remove()

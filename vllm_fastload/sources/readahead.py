@@ -3,8 +3,13 @@ engine is still starting, and keep them there until the loads that need them are
 
 The reads run in a process of their own (this file, run as a script: standard library only), at
 idle CPU priority (Linux ``SCHED_IDLE``): reading early must not slow the start-up it overlaps
-with, which on a machine with few cores is CPU-bound. A thread at idle priority in the starting
-process would share that process's GIL, and a starved thread holding the GIL stops every other
+with, which on a machine with few cores is CPU-bound. Where the start-up leaves no idle CPU time at
+all (SGLang's, whose processes keep every core busy until the load), idle priority starves the
+reads and they have not finished when the load begins; with ``starved_s`` the process leaves idle
+priority once it has waited that long for a CPU and reads on as a batch job (``SCHED_BATCH``: a
+fair share, never preempting the start-up's processes as it wakes). Reading costs little CPU (the
+kernel fills the pages; the process touches each once), so that share is small. A thread at idle
+priority in the starting process would share that process's GIL, and a starved thread holding the GIL stops every other
 thread with it: the process that starts vLLM would wait on the idle CPU time it gave away. The
 starting process keeps one thread that waits on the reading process's log lines (relayed to its
 logger) and its end.
@@ -57,14 +62,17 @@ def available_memory() -> int:
 
 
 def read_ahead(paths: Sequence[str], *, limit: int, hold: LoadMarks | None = None,
-               hold_s: float = 0.0) -> EarlyReads | None:
+               hold_s: float = 0.0, starved_s: float | None = None) -> EarlyReads | None:
     """Start reading ``paths`` into the page cache in a process of its own, if together they fit
     in ``limit`` bytes; None (and nothing done) otherwise.
 
     With ``hold``, the process stops reading when a load begins, and keeps the files mapped until
     every load it expects has ended (looked for every ``POLL_S``), ``hold_s`` seconds have passed
     since the reads ended, memory runs low, or this process ends (its exit ends the reading process
-    too); then it unmaps them, removes the marks and ends."""
+    too); then it unmaps them, removes the marks and ends.
+
+    The process reads at idle CPU priority; with ``starved_s``, once it has waited that many seconds
+    for a CPU (the CPUs have no idle time), as a batch job instead (see the module's docstring)."""
     total = sum(os.path.getsize(p) for p in paths)
     if total > limit:
         logger.info("fastload: no early reads: the checkpoint (%.2f GB) exceeds the share of available memory "
@@ -74,7 +82,8 @@ def read_ahead(paths: Sequence[str], *, limit: int, hold: LoadMarks | None = Non
         logger.info("fastload: no early reads: no Python interpreter to run them in (sys.executable is empty)")
         return None
     request = {"paths": list(paths), "total": total, "hold_s": hold_s, "low_memory": LOW_MEMORY,
-               "marks": None if hold is None else [hold.directory, hold.expected], "parent": os.getpid()}
+               "marks": None if hold is None else [hold.directory, hold.expected], "parent": os.getpid(),
+               "starved_s": starved_s}
     # -I -S: no site-packages, no environment, not even this file's directory on the path: a bare
     # interpreter that starts in milliseconds and imports only the standard library. Its output and
     # errors come back here, to be logged; the request goes in on stdin (no limit on its length).
@@ -155,6 +164,7 @@ def _serve(request: dict[str, Any]) -> None:
     _run_when_idle()
     parent = request["parent"]
     start = time.perf_counter()
+    starved = _Starved(request.get("starved_s"), start)
     paths, total = request["paths"], request["total"]
     hold = None if request["marks"] is None else LoadMarks(request["marks"][1], directory=request["marks"][0])
     held: list[_Mapping] = []
@@ -164,7 +174,10 @@ def _serve(request: dict[str, Any]) -> None:
         return bool(os.getppid() != parent)
 
     try:
-        stop = orphaned if hold is None else (lambda: orphaned() or hold.started())
+        def stop() -> bool:
+            starved.check()  # (between two chunks: where it may leave idle priority)
+            return orphaned() or (hold is not None and hold.started())
+
         held, read, files, stopped = _read_in(paths, hold=hold is not None, stop=stop)
         if stopped:
             _report("fastload: early reads: stopped after %.2f s, when the load began; %.2f of %.2f GB read early",
@@ -211,6 +224,38 @@ def _run_when_idle() -> None:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):
         pass
+
+
+class _Starved:
+    """Leaves idle priority for ``SCHED_BATCH`` once the process has waited ``limit_s`` seconds for a
+    CPU (the run-queue wait the kernel counts in ``/proc/self/schedstat``); never without a limit."""
+
+    def __init__(self, limit_s: float | None, start: float) -> None:
+        self._limit_s, self._start, self._done = limit_s, start, limit_s is None
+
+    def check(self) -> None:
+        if self._done:
+            return
+        waited = _cpu_wait_s()
+        if waited is None or waited < (self._limit_s or 0.0):
+            return
+        self._done = True
+        try:
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+        except (AttributeError, OSError):
+            return
+        _report("fastload: early reads: no idle CPU time for them (%.1f s waiting for a CPU in %.1f s); "
+                "reading on as a batch job", waited, time.perf_counter() - self._start)
+
+
+def _cpu_wait_s() -> float | None:
+    """Seconds this process has waited on a run queue (runnable, not running); None where the kernel
+    does not say."""
+    try:
+        with open("/proc/self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _run_normally() -> None:
