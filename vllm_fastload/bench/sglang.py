@@ -95,17 +95,24 @@ def _warm(paths: list[str]) -> None:
 
 
 def run(model: str, tps: list[int], caches: list[str], repeats: int, loaders: list[str], work: Path,
-        deadline: float) -> dict[str, list[Start]]:
-    """Every (TP, cache): ``repeats`` interleaved repetitions of every loader; key ``tp|cache|loader``."""
+        deadline: float, state: MachineState) -> dict[str, list[Start]]:
+    """Every (TP, cache): ``repeats`` interleaved repetitions of every loader; key ``tp|cache|loader``.
+    The speed of fresh memory is sampled before each repetition (every load fills fresh memory)."""
     files = sorted(str(p) for p in Path(model).glob("*.safetensors"))
     results: dict[str, list[Start]] = {}
     for tp in tps:
         failed: dict[str, str] = {}  # loader -> why it does not start at this TP
         for cache in caches:
             for rep in range(repeats):
+                if time.monotonic() > deadline:
+                    break
+                print(f"  tp={tp} {cache} rep {rep + 1}: first touch {state.sample_memory():.2f} GB/s", flush=True)
                 for name in loaders[rep % len(loaders):] + loaders[:rep % len(loaders)]:
                     key = f"{tp}|{cache}|{name}"
-                    if name in failed or time.monotonic() > deadline:
+                    if name in failed:
+                        results.setdefault(key, [Start(error=failed[name])])
+                        continue
+                    if time.monotonic() > deadline:
                         continue
                     if cache == "cold":
                         evict(files)
@@ -236,7 +243,7 @@ def main(args: argparse.Namespace) -> int:
           f"TP {tps}, {caches}, loaders {loaders}, {args.repeats} interleaved repetition(s)", flush=True)
     state = MachineState()
     print(f"  disk: {state.sample_disk(files):.2f} GB/s cold sequential read", flush=True)
-    results = run(model, tps, caches, args.repeats, loaders, work, time.monotonic() + args.time_limit)
+    results = run(model, tps, caches, args.repeats, loaders, work, time.monotonic() + args.time_limit, state)
     state.sample_disk(files)
     rows = summarize(results)
     print()
