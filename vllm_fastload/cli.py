@@ -172,8 +172,9 @@ def _add_bench(sub: Any) -> None:
                    "snapshot as a directory (see --stand-in-hub)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repetitions (medians need >= 3)")
     p.add_argument("--engine", default="vllm", choices=["vllm", "sglang"],
-                   help="sglang: SGLang's load_model in-process, fastload vs SGLang's default loader (local "
-                        "checkpoints; --model, --repeats, --tp, --cache and --out apply)")
+                   help="sglang: SGLang server starts (in SGLang's environment), fastload vs SGLang's default "
+                        "loader with and without --startup-weight-load-mode overlap (local checkpoints; --model, "
+                        "--repeats, --tp, --cache, --loaders, --time-limit and --out apply)")
     p.add_argument("--tp", default="1,2", help="comma-separated TP sizes")
     p.add_argument("--loaders", default=None, help="comma-separated; default: the source's usual set, "
                    "of those that run here")

@@ -78,6 +78,11 @@ EARLY_READS_MEMORY_SHARE = 0.5
 #: every separate range is another call, on a network filesystem another request.
 EARLY_READS_GAP = 128 << 10
 
+#: Seconds early reads may wait for a CPU at idle priority before they read on as a batch job, for
+#: an engine whose start-up keeps every core busy until the load (SGLang's): long enough to tell a
+#: start-up with no idle time from a busy moment, short against its seconds before the load.
+EARLY_READS_STARVED_S = 1.0
+
 
 # -- decisions -------------------------------------------------------------------------------
 

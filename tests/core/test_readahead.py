@@ -198,6 +198,26 @@ def test_the_reads_run_in_a_process_of_their_own_on_idle_cpu_time(cold_file: Pat
     assert not reads.is_alive() and reads.process.returncode == 0
 
 
+def test_reads_with_no_idle_cpu_time_read_on_as_a_batch_job(cold_file: Path, caplog):
+    """Where the start-up keeps every CPU busy (SGLang's), reads at idle priority would get no CPU
+    time until the load; with ``starved_s`` they leave idle priority once they have waited that long
+    for a CPU, and finish. (Without it they stay at idle priority: the test above.)"""
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in os.sched_getaffinity(0)]
+    try:
+        with caplog.at_level(logging.INFO, logger="vllm_fastload"):
+            reads = readahead.read_ahead([str(cold_file)], limit=SIZE, starved_s=0.1)
+            assert reads is not None
+            reads.join(timeout=120)
+    finally:
+        for process in busy:
+            process.kill()
+            process.wait()
+    assert not reads.is_alive() and reads.process.returncode == 0
+    assert "no idle CPU time for them" in caplog.text and "reading on as a batch job" in caplog.text
+    assert "1 of 1 files in the page cache" in caplog.text
+    assert _cached_share(cold_file) == 1.0
+
+
 def _policy(tid: int) -> int | None:
     try:
         return os.sched_getscheduler(tid)

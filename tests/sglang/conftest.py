@@ -1,15 +1,16 @@
-"""Real SGLang (0.5.23, its CPU engine), no server: SGLang's own loading path in-process, in rank
-processes that set up its distributed state the way its scheduler processes do
-(``vllm_fastload.tools.sglang_ranks``), against SGLang's ``DefaultModelLoader``.
+"""Real SGLang (0.5.23, its CPU engine): server starts through ``python -m sglang.launch_server``
+(``test_sglang_server.py``), and SGLang's own loading path in-process, in rank processes that set up
+its distributed state the way its scheduler processes do (``vllm_fastload.tools.sglang_ranks``),
+against SGLang's ``DefaultModelLoader``.
 
 These tests run in the SGLang environment that scripts/test.sh builds (scripts/setup.sh with
 FASTLOAD_DEV_SGLANG); in an environment without SGLang they are deselected, and the run says so.
 
 Two test-only stubs stand in for what cannot be installed on this machine (tests/sglang/stubs, put
-on ``PYTHONPATH`` for every process these tests start): SGLang's CPU kernels (``sgl_kernel``,
-built from source only; loading calls none of them) and torchvision's fake-kernel registrations
-(the registry's torchvision is a CUDA build). A real SGLang server cannot start here: its CPU
-engine needs those kernels to run a model.
+on ``PYTHONPATH`` for every process these tests start, servers included): SGLang's CPU kernels
+(``sgl_kernel``, built from source only), of which SGLang imports a few functions as it starts,
+each stub raising if it is ever called (neither loading nor the servers these tests start call
+one), and torchvision's fake-kernel registrations (the registry's torchvision is a CUDA build).
 """
 
 from __future__ import annotations

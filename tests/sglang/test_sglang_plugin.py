@@ -98,15 +98,34 @@ def test_plugin_options_are_validated_as_under_vllm(sg_env):
     assert fine == "ACCEPTED"
 
 
-def test_early_reads_start_where_sglang_resolves_its_arguments(sg_env, tied):
-    code = PRELUDE + ("import logging, os; logging.basicConfig(level=logging.INFO); "
-                      "from sglang.srt.server_args import ServerArgs; "
-                      f"ServerArgs(model_path={str(tied)!r}, load_format='fastload', device='cpu').resolve_once(); "
-                      "print('EARLY', os.environ.get('_FASTLOAD_EARLY_READS'))")
-    out = run_python(code, sg_env)
+RESOLVE = PRELUDE + """
+import logging, os, subprocess, sys
+logging.basicConfig(level=logging.INFO)
+from vllm_fastload.model import early
+calls = []
+start = early.start
+early.start = lambda engine, settings: (calls.append(engine), start(engine, settings))[1]
+from sglang.srt.server_args import ServerArgs
+args = ServerArgs(model_path=sys.argv[1], load_format="fastload", device="cpu")
+args.resolve_once()
+args.resolve_once()  # as SGLang's publish() does again, in this process and in every scheduler's
+print(sys.argv[2], "hooks", len(calls), "guard", os.environ.get("_FASTLOAD_EARLY_READS"), flush=True)
+if sys.argv[2] == "launcher":  # a process it starts inherits its environment, as SGLang's schedulers do
+    subprocess.run([sys.executable, __file__, sys.argv[1], "scheduler"], check=True)
+"""
+
+
+def test_early_reads_run_once_though_sglangs_hook_runs_in_every_process(sg_env, tied, tmp_path):
+    """SGLang runs the ``resolve_once`` hook after every call, in every process that publishes the
+    arguments; only ``model/early.py``'s environment guard keeps early reads to one per launch."""
+    script = tmp_path / "resolve.py"
+    script.write_text(RESOLVE)
+    out = subprocess.run([sys.executable, str(script), str(tied), "launcher"], capture_output=True, text=True,
+                         env=sg_env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert f"EARLY {tied}" in out.stdout
-    assert "fastload: early reads: 1 checkpoint files" in out.stderr
+    lines = [ln for ln in out.stdout.splitlines() if " hooks " in ln]
+    assert lines == [f"launcher hooks 2 guard {tied}", f"scheduler hooks 2 guard {tied}"]
+    assert out.stderr.count("fastload: early reads: 1 checkpoint files") == 1, out.stderr[-3000:]
 
 
 # -- bad input ------------------------------------------------------------------------------------

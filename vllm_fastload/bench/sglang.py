@@ -1,122 +1,217 @@
-"""``vllm-fastload bench --engine sglang``: SGLang's ``load_model`` with fastload vs SGLang's default loader.
+"""``vllm-fastload bench --engine sglang``: real SGLang server starts, fastload against SGLang's loaders.
 
-In-process in rank processes set up as SGLang's scheduler processes are (``tools.sglang_ranks``): no
-server (an SGLang server cannot start on a CPU machine without SGLang's CPU kernels). Every
-measurement is a fresh set of ``tp`` rank processes that loads the checkpoint once, so each load
-finds a fresh process as a server's start does; only ``load_model`` is timed (the model's
-construction, reading, post-processing), from a barrier that every rank passes together to the
-slowest rank's end. Loaders are interleaved within every repetition (each repetition starts with
-the next loader); the cold rows evict the checkpoint from the page cache before every load, the
-warm rows read it into the page cache first. fastload runs with early reads off here: in-process
-there is no start-up for them to overlap with.
+Every measurement is a fresh ``python -m sglang.launch_server`` (``tools.sglang_server``), stopped
+once ready: SGLang's own weight-load time of its slowest rank (its "Load weight end. elapsed" line,
+from "Load weight begin": the model's construction is before it, post-processing inside) and the
+process's start to ready (``/health`` answering, after SGLang's warm-up request). Loaders are
+interleaved within every repetition (each repetition starts with the next loader); the cold rows
+drop the checkpoint from the page cache before every start, the warm rows read it in first.
+
+The loaders: fastload (its early reads on, as a user gets them), SGLang's default loader
+(``auto``), and the default loader with SGLang's own cold-start aid, ``--startup-weight-load-mode
+overlap`` (it stages the checkpoint's files while CUDA graphs are captured). SGLang refuses
+overlap where it cannot run it (it needs CUDA graphs: not on a CPU); a loader whose start fails is
+not started again at that TP, and the table shows why.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
-import socket
+import re
 import statistics
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from vllm_fastload.bench.machine import evict
+from vllm_fastload.bench.machine import MachineState, evict
 from vllm_fastload.tools.checkpoints import write_checkpoint
+from vllm_fastload.tools.sglang_server import SMALL_MODEL_FLAGS, ServerExited, SglangServer, sglang_env
 
-#: name -> (SGLang load format, --model-loader-extra-config)
-LOADERS: dict[str, tuple[str, dict]] = {
-    "fastload": ("fastload", {"progress": False, "early_reads": "never"}),
-    "default": ("auto", {}),
+#: name -> SGLang arguments that select the loader.
+LOADERS: dict[str, list[str]] = {
+    "fastload": ["--load-format", "fastload"],
+    "default": ["--load-format", "auto"],
+    "default+overlap": ["--load-format", "auto", "--startup-weight-load-mode", "overlap"],
 }
+#: The cold-start targets (issue: the cold start costs what a warm one costs): name -> bound.
+TARGETS = {"fastload cold / fastload warm (weight load)": 1.15, "fastload cold / default cold (weight load)": 0.5,
+           "fastload cold / default+overlap cold (weight load)": 0.9, "fastload warm / default warm (weight load)": 1.0,
+           "fastload cold / default cold (ready)": 1.0, "read share per rank at TP=2": 0.56}
 
 
-def _rank(rank: int, tp: int, port: int, path: str, load_format: str, extra: dict, dtype: str, out: str) -> None:
-    from vllm_fastload.tools import sglang_ranks
+@dataclass(frozen=True)
+class Start:
+    """One server start's numbers (or why it failed)."""
 
-    device = sglang_ranks.setup_rank(rank, tp, port)
-    result = sglang_ranks.load_timed(path, load_format, extra, dtype, device)
-    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
-
-
-def measure(path: str, tp: int, loader: str, dtype: str, work: Path, timeout: float = 900) -> dict:
-    """One load on ``tp`` fresh rank processes: the slowest rank's seconds, and each rank's result."""
-    load_format, extra = LOADERS[loader]
-    out = Path(work) / f"{loader}-tp{tp}-{time.monotonic_ns()}"
-    out.mkdir(parents=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank, args=(r, tp, port, path, load_format, extra, dtype, str(out)))
-             for r in range(tp)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(deadline - time.monotonic(), 1))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    ranks = []
-    for r, p in enumerate(procs):
-        f = out / f"rank{r}.json"
-        if not f.exists():
-            raise RuntimeError(f"{loader} at TP={tp}: rank {r} ended without a result (exit code {p.exitcode})")
-        ranks.append(json.loads(f.read_text()))
-    return {"seconds": max(r["seconds"] for r in ranks), "ranks": ranks}
+    #: SGLang's weight-load seconds of its slowest rank.
+    load_s: float | None = None
+    #: The process's start to ready, seconds.
+    ready_s: float | None = None
+    #: The share of the checkpoint each fastload rank read, in rank order.
+    read_share: tuple[float, ...] = ()
+    #: GB of the checkpoint fastload's early reads had read as the load began (None: no early reads).
+    early_gb: float | None = None
+    error: str | None = None
 
 
-def _files(path: str) -> list[str]:
-    return sorted(str(p) for p in Path(path).glob("*.safetensors"))
+def start_once(model: str, loader: str, tp: int, log: Path) -> Start:
+    """Start SGLang with ``loader`` on ``model`` at ``tp``, stop it once ready; its numbers."""
+    env = sglang_env(tp, FASTLOAD_PROGRESS="false")
+    server = SglangServer(model, [*LOADERS[loader], *SMALL_MODEL_FLAGS], tp=tp, log_path=log, env=env,
+                          startup_timeout=900)
+    try:
+        server.start()
+    except (ServerExited, TimeoutError):
+        return Start(error=f"{root_cause(server.log_text())} (log: {log})")
+    finally:
+        server.stop()
+    parsed = server.start_log()
+    if len(parsed.load_s) != tp:
+        return Start(error=f"{len(parsed.load_s)} of {tp} ranks logged 'Load weight end' (log: {log})")
+    return Start(load_s=max(parsed.load_s.values()), ready_s=server.ready_s,
+                 read_share=tuple(parsed.read_share[r] for r in sorted(parsed.read_share)), early_gb=parsed.early_gb)
+
+
+_ERROR = re.compile(r"\b([A-Z]\w*(?:Error|Exception)): (.+)$")
+
+
+def root_cause(log: str) -> str:
+    """The first exception line of a failed start's log (SGLang prints the rank's error, then the
+    launcher's consequences)."""
+    for line in log.splitlines():
+        match = _ERROR.search(line)
+        if match and "ConnectionRefused" not in match.group(1):
+            return f"{match.group(1)}: {match.group(2).strip()}"[:300]
+    return "no exception line; the log ends with: " + " | ".join(log.splitlines()[-3:])[:300]
 
 
 def _warm(paths: list[str]) -> None:
     for p in paths:
         with open(p, "rb") as f:
-            while f.read(16 << 20):
+            while f.read(64 << 20):
                 pass
 
 
-def run(path: str, tps: list[int], caches: list[str], repeats: int, dtype: str, work: Path) -> list[dict]:
-    """Every (TP, cache) row: ``repeats`` interleaved repetitions of every loader."""
-    files = _files(path)
-    rows = []
-    names = list(LOADERS)
+def run(model: str, tps: list[int], caches: list[str], repeats: int, loaders: list[str], work: Path,
+        deadline: float, state: MachineState) -> dict[str, list[Start]]:
+    """Every (TP, cache): ``repeats`` interleaved repetitions of every loader; key ``tp|cache|loader``.
+    The speed of fresh memory is sampled before each repetition (every load fills fresh memory)."""
+    files = sorted(str(p) for p in Path(model).glob("*.safetensors"))
+    results: dict[str, list[Start]] = {}
     for tp in tps:
+        failed: dict[str, str] = {}  # loader -> why it does not start at this TP
         for cache in caches:
-            samples: dict[str, list[dict]] = {n: [] for n in names}
             for rep in range(repeats):
-                order = names[rep % len(names):] + names[:rep % len(names)]
-                for name in order:
+                if time.monotonic() > deadline:
+                    break
+                print(f"  tp={tp} {cache} rep {rep + 1}: first touch {state.sample_memory():.2f} GB/s", flush=True)
+                for name in loaders[rep % len(loaders):] + loaders[:rep % len(loaders)]:
+                    key = f"{tp}|{cache}|{name}"
+                    if name in failed:
+                        results.setdefault(key, [Start(error=failed[name])])
+                        continue
+                    if time.monotonic() > deadline:
+                        continue
                     if cache == "cold":
                         evict(files)
                     else:
                         _warm(files)
-                    samples[name].append(measure(path, tp, name, dtype, work))
-            for name in names:
-                seconds = [m["seconds"] for m in samples[name]]
-                reports = [r.get("report") or {} for r in samples[name][-1]["ranks"]]
-                share = [r["bytes_read"] / max(r["bytes_total"], 1) for r in reports if "bytes_read" in r]
-                rows.append({"tp": tp, "cache": cache, "loader": name, "seconds": seconds,
-                             "median": statistics.median(seconds), "read_share": share})
+                    result = start_once(model, name, tp, work / f"{name}-tp{tp}-{cache}-{rep}.log")
+                    results.setdefault(key, []).append(result)
+                    if result.error is not None:
+                        failed[name] = result.error
+                        print(f"  tp={tp} {cache:<4} rep {rep + 1} {name:<16} FAILED, not started again at "
+                              f"TP={tp}: {result.error}", flush=True)
+                        continue
+                    share = ", ".join(f"{s:.3f}" for s in result.read_share)
+                    print(f"  tp={tp} {cache:<4} rep {rep + 1} {name:<16} weight load {result.load_s:.2f} s, "
+                          f"ready {result.ready_s:.1f} s" + (f", read share {share}" if share else "")
+                          + (f", early reads {result.early_gb:.2f} GB as the load began"
+                             if result.early_gb is not None else ""), flush=True)
+    return results
+
+
+def summarize(results: dict[str, list[Start]]) -> list[dict]:
+    rows = []
+    for key, starts in results.items():
+        tp, cache, loader = key.split("|")
+        ok = [s for s in starts if s.error is None]
+        row: dict = {"tp": int(tp), "cache": cache, "loader": loader, "runs": len(ok)}
+        if not ok:
+            rows.append({**row, "error": starts[0].error})
+            continue
+        load = [s.load_s for s in ok if s.load_s is not None]
+        ready = [s.ready_s for s in ok if s.ready_s is not None]
+        early = [s.early_gb for s in ok if s.early_gb is not None]
+        rows.append({**row, "load_s": load, "load_median": statistics.median(load), "ready_s": ready,
+                     "ready_median": statistics.median(ready), "read_share": list(ok[-1].read_share),
+                     "early_gb_median": statistics.median(early) if early else None})
     return rows
 
 
+def _find(rows: list[dict], tp: int, cache: str, loader: str) -> dict | None:
+    return next((r for r in rows if r["tp"] == tp and r["cache"] == cache and r["loader"] == loader), None)
+
+
 def table(rows: list[dict]) -> str:
-    """The rows as a markdown table, each fastload row with its ratio to the default loader's."""
-    default = {(r["tp"], r["cache"]): r["median"] for r in rows if r["loader"] == "default"}
-    lines = ["| TP | cache | loader | load_model median s | min - max s | vs default | read share per rank |",
-             "|---|---|---|---|---|---|---|"]
+    """The rows as a markdown table: medians (min-max) and ratios to the default loader's."""
+    lines = ["| TP | cache | loader | weight load s, slowest rank | vs default | ready s | vs default | "
+             "read share per rank | early reads GB at load |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        ratio = r["median"] / default[(r["tp"], r["cache"])] if (r["tp"], r["cache"]) in default else None
+        head = f"| {r['tp']} | {r['cache']} | {r['loader']} |"
+        if "error" in r:
+            lines.append(f"{head} did not start: {r['error']} | | | | | |")
+            continue
+        base = _find(rows, r["tp"], r["cache"], "default")
+        if base is None or "error" in base or r["loader"] == "default":
+            load_vs = ready_vs = "-"
+        else:
+            load_vs = f"{r['load_median'] / base['load_median']:.2f}x"
+            ready_vs = f"{r['ready_median'] / base['ready_median']:.2f}x"
         share = " / ".join(f"{s:.3f}" for s in r["read_share"]) or "-"
-        versus = "-" if ratio is None or r["loader"] == "default" else f"{ratio:.2f}x"
-        lines.append(f"| {r['tp']} | {r['cache']} | {r['loader']} | {r['median']:.3f} | {min(r['seconds']):.3f} - "
-                     f"{max(r['seconds']):.3f} | {versus} | {share} |")
+        early = "-" if r["early_gb_median"] is None else f"{r['early_gb_median']:.2f}"
+        lines.append(f"{head} {r['load_median']:.2f} ({min(r['load_s']):.2f}-{max(r['load_s']):.2f}) | {load_vs} | "
+                     f"{r['ready_median']:.1f} ({min(r['ready_s']):.1f}-{max(r['ready_s']):.1f}) | {ready_vs} | "
+                     f"{share} | {early} |")
     return "\n".join(lines)
+
+
+def verdicts(rows: list[dict], tps: list[int]) -> list[str]:
+    """Each target at each TP: the ratio from this run's medians, met or missed, or why it is not measured."""
+    out = []
+
+    def ratio(name: str, tp: int, a: tuple[str, str], b: tuple[str, str], field: str) -> None:
+        ra, rb = _find(rows, tp, a[0], a[1]), _find(rows, tp, b[0], b[1])
+        bound = TARGETS[name]
+        missing = [f"{c} {loader}: {r['error'] if r and 'error' in r else 'not run'}"
+                   for (c, loader), r in ((a, ra), (b, rb)) if r is None or "error" in r]
+        if missing:
+            out.append(f"TP={tp} {name} <= {bound}: not measured ({'; '.join(missing)})")
+            return
+        assert ra is not None and rb is not None
+        value = ra[field] / rb[field]
+        saving = f", {rb[field] - ra[field]:+.2f} s saved" if field == "ready_median" else ""
+        out.append(f"TP={tp} {name} <= {bound}: {value:.2f}x ({ra[field]:.2f} / {rb[field]:.2f} s{saving}) "
+                   f"{'met' if value <= bound else 'MISSED'}")
+
+    for tp in tps:
+        ratio("fastload cold / fastload warm (weight load)", tp, ("cold", "fastload"), ("warm", "fastload"),
+              "load_median")
+        ratio("fastload cold / default cold (weight load)", tp, ("cold", "fastload"), ("cold", "default"),
+              "load_median")
+        ratio("fastload cold / default+overlap cold (weight load)", tp, ("cold", "fastload"),
+              ("cold", "default+overlap"), "load_median")
+        ratio("fastload warm / default warm (weight load)", tp, ("warm", "fastload"), ("warm", "default"),
+              "load_median")
+        ratio("fastload cold / default cold (ready)", tp, ("cold", "fastload"), ("cold", "default"), "ready_median")
+        if tp == 2:
+            shares = [s for r in rows if r["tp"] == 2 and r["loader"] == "fastload" for s in r.get("read_share", [])]
+            bound = TARGETS["read share per rank at TP=2"]
+            out.append(f"TP=2 read share per rank <= {bound}: " + (
+                f"{max(shares):.3f} {'met' if max(shares) <= bound else 'MISSED'}" if shares else "not measured"))
+    return out
 
 
 def main(args: argparse.Namespace) -> int:
@@ -129,18 +224,38 @@ def main(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.model and not Path(args.model).is_dir():
         raise SystemExit(f"--model {args.model}: not a checkpoint directory (bench --engine sglang reads local ones)")
-    path = args.model or str(write_checkpoint(".fastload/bench-llama", "bench-llama", files=4))
+    model = args.model or str(write_checkpoint(".fastload/bench-llama", "bench-llama", files=4))
+    loaders = args.loaders.split(",") if args.loaders else list(LOADERS)
+    unknown = [name for name in loaders if name not in LOADERS]
+    if unknown:
+        raise SystemExit(f"unknown loader(s) {', '.join(unknown)} for --engine sglang; known: {', '.join(LOADERS)}")
     tps = [int(t) for t in args.tp.split(",")]
     caches = (args.cache or "warm,cold").split(",")
+    if not caches or set(caches) - {"warm", "cold"}:
+        raise SystemExit(f"--cache {args.cache!r}: expected warm, cold or warm,cold")
     work = Path(args.out) / "sglang-runs"
     work.mkdir(parents=True, exist_ok=True)
     import sglang
 
-    print(f"bench --engine sglang: {path}, SGLang {sglang.__version__}, TP {tps}, {caches}, {args.repeats} "
-          f"interleaved repetition(s); load_model seconds of the slowest rank", flush=True)
-    rows = run(path, tps, caches, args.repeats, "auto", work)
-    out = Path(args.out) / f"bench-sglang-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.write_text(json.dumps({"model": path, "sglang": sglang.__version__, "rows": rows}, indent=1))
+    files = sorted(str(p) for p in Path(model).glob("*.safetensors"))
+    total = sum(os.path.getsize(f) for f in files)
+    print(f"bench --engine sglang: {model} ({total / 1e9:.2f} GB), SGLang {sglang.__version__}, server starts, "
+          f"TP {tps}, {caches}, loaders {loaders}, {args.repeats} interleaved repetition(s)", flush=True)
+    state = MachineState()
+    print(f"  disk: {state.sample_disk(files):.2f} GB/s cold sequential read", flush=True)
+    results = run(model, tps, caches, args.repeats, loaders, work, time.monotonic() + args.time_limit, state)
+    state.sample_disk(files)
+    rows = summarize(results)
+    print()
+    print(state.summary())
+    print("weight load: SGLang's 'Load weight end. elapsed' of the slowest rank; ready: the process's start to "
+          "/health answering; medians (min-max)")
     print(table(rows))
-    print(f"saved {out}")
+    checks = verdicts(rows, tps)
+    print("\n".join(checks))
+    out = Path(args.out) / "bench-sglang.json"
+    out.write_text(json.dumps({"model": model, "checkpoint_bytes": total, "sglang": sglang.__version__,
+                               "rows": rows, "targets": checks, "machine": state.as_dict(),
+                               "raw": {k: [asdict(s) for s in v] for k, v in results.items()}}, indent=1))
+    print(f"wrote {out}; the servers' logs are in {work}")
     return 0

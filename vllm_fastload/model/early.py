@@ -63,6 +63,10 @@ class Start:
     #: one node, or a layout the adapter could not read).
     nodes: int = 1
     layout: NodeLayout | None = None
+    #: Where the engine's start-up may leave no idle CPU time: the seconds the reading process may
+    #: wait for a CPU before it leaves idle priority (``sources.readahead.read_ahead``); None keeps
+    #: it at idle priority throughout.
+    starved_s: float | None = None
 
 
 def start(engine: str, settings: Callable[[], Start]) -> None:
@@ -111,7 +115,8 @@ def _start(start: Start, engine: str) -> None:
     os.environ[MARKS_ENV] = marks.directory
     reads = None
     try:
-        reads = read_ahead(files if share is None else share.ranges, limit=memory.allowed, hold=marks, hold_s=HOLD_S)
+        reads = read_ahead(files if share is None else share.ranges, limit=memory.allowed, hold=marks, hold_s=HOLD_S,
+                           starved_s=start.starved_s)
     finally:
         if reads is None:
             marks.remove()

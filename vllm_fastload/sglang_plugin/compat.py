@@ -124,10 +124,16 @@ def accept_load_format(name: str, loader_class: Callable[[], type]) -> None:
 
 
 def on_server_args(name: str, callback: Callable[[Any], None]) -> None:
-    """Call ``callback(server_args)`` once SGLang has resolved the ``ServerArgs`` of a start with
-    ``--load-format name`` (``ServerArgs.resolve_once``): in the launching process
-    (``sglang.launch_server``, ``sglang serve``, ``sglang.Engine``), before it starts the scheduler
-    processes that load the model. The callback must not raise."""
+    """Call ``callback(server_args)`` after every ``ServerArgs.resolve_once`` of a start with
+    ``--load-format name``.
+
+    That is not once per start: the launching process (``sglang.launch_server``, ``sglang serve``,
+    ``sglang.Engine``) resolves its arguments before it starts the scheduler processes that load
+    the model, and every process that publishes the arguments (each scheduler, as it starts) calls
+    ``resolve_once`` again on the record it was handed, already resolved; the hook runs after each
+    call, in every process. The callback must therefore decide for itself whether it has work left
+    (early reads: ``model.early``'s environment guard, which the launcher sets before it starts the
+    schedulers and they inherit), and must not raise."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     def after_resolve(result: Any, server_args: Any, *args: Any, **kwargs: Any) -> Any:

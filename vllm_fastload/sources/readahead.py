@@ -3,8 +3,13 @@ engine is still starting, and keep them there until the loads that need them are
 
 The reads run in a process of their own (this file, run as a script: standard library only), at
 idle CPU priority (Linux ``SCHED_IDLE``): reading early must not slow the start-up it overlaps
-with, which on a machine with few cores is CPU-bound. A thread at idle priority in the starting
-process would share that process's GIL, and a starved thread holding the GIL stops every other
+with, which on a machine with few cores is CPU-bound. Where the start-up leaves no idle CPU time at
+all (SGLang's, whose processes keep every core busy until the load), idle priority starves the
+reads and they have not finished when the load begins; with ``starved_s`` the process leaves idle
+priority once it has waited that long for a CPU and reads on as a batch job (``SCHED_BATCH``: a
+fair share, never preempting the start-up's processes as it wakes). Reading costs little CPU (the
+kernel fills the pages; the process touches each once), so that share is small. A thread at idle
+priority in the starting process would share that process's GIL, and a starved thread holding the GIL stops every other
 thread with it: the process that starts vLLM would wait on the idle CPU time it gave away. The
 starting process keeps one thread that waits on the reading process's log lines (relayed to its
 logger) and its end.
@@ -100,14 +105,17 @@ def coalesce(spans: Iterable[tuple[int, int]], gap: int) -> tuple[tuple[int, int
 
 
 def read_ahead(paths: Sequence[str | FileRanges], *, limit: int, hold: LoadMarks | None = None,
-               hold_s: float = 0.0) -> EarlyReads | None:
+               hold_s: float = 0.0, starved_s: float | None = None) -> EarlyReads | None:
     """Start reading ``paths`` (each a whole file, or some ranges of one) into the page cache in a
     process of its own, if together they fit in ``limit`` bytes; None (and nothing done) otherwise.
 
     With ``hold``, the process stops reading when a load begins, and keeps the files mapped until
     every load it expects has ended (looked for every ``POLL_S``), ``hold_s`` seconds have passed
     since the reads ended, memory runs low, or this process ends (its exit ends the reading process
-    too); then it unmaps them, removes the marks and ends."""
+    too); then it unmaps them, removes the marks and ends.
+
+    The process reads at idle CPU priority; with ``starved_s``, once it has waited that many seconds
+    for a CPU (the CPUs have no idle time), as a batch job instead (see the module's docstring)."""
     files = [p.path if isinstance(p, FileRanges) else p for p in paths]
     spans = {p.path: p.spans for p in paths if isinstance(p, FileRanges)}
     total = sum(p.nbytes if isinstance(p, FileRanges) else os.path.getsize(p) for p in paths)
@@ -121,7 +129,8 @@ def read_ahead(paths: Sequence[str | FileRanges], *, limit: int, hold: LoadMarks
         return None
     request = {"paths": files, "spans": spans, "total": total, "hold_s": hold_s, "low_memory": LOW_MEMORY,
                "main_thread": threading.current_thread() is threading.main_thread(),
-               "marks": None if hold is None else [hold.directory, hold.expected], "parent": os.getpid()}
+               "marks": None if hold is None else [hold.directory, hold.expected], "parent": os.getpid(),
+               "starved_s": starved_s}
     # -I -S: no site-packages, no environment, not even this file's directory on the path: a bare
     # interpreter that starts in milliseconds and imports only the standard library. Its output and
     # errors come back here, to be logged; the request goes in on stdin (no limit on its length).
@@ -206,6 +215,7 @@ def _serve(request: dict[str, Any]) -> None:
         _end_with(parent)
     _run_when_idle()
     start = time.perf_counter()
+    starved = _Starved(request.get("starved_s"), start)
     paths, total = request["paths"], request["total"]
     hold = None if request["marks"] is None else LoadMarks(request["marks"][1], directory=request["marks"][0])
     held: list[_Mapping] = []
@@ -215,7 +225,10 @@ def _serve(request: dict[str, Any]) -> None:
         return bool(os.getppid() != parent)
 
     try:
-        stop = orphaned if hold is None else (lambda: orphaned() or hold.started())
+        def stop() -> bool:
+            starved.check()  # (between two chunks: where it may leave idle priority)
+            return orphaned() or (hold is not None and hold.started())
+
         spans = request.get("spans") or {}
         held, read, files, stopped = _read_in(paths, hold=hold is not None, stop=stop, spans=spans)
         if stopped:
@@ -281,6 +294,38 @@ def _run_when_idle() -> None:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):
         pass
+
+
+class _Starved:
+    """Leaves idle priority for ``SCHED_BATCH`` once the process has waited ``limit_s`` seconds for a
+    CPU (the run-queue wait the kernel counts in ``/proc/self/schedstat``); never without a limit."""
+
+    def __init__(self, limit_s: float | None, start: float) -> None:
+        self._limit_s, self._start, self._done = limit_s, start, limit_s is None
+
+    def check(self) -> None:
+        if self._done:
+            return
+        waited = _cpu_wait_s()
+        if waited is None or waited < (self._limit_s or 0.0):
+            return
+        self._done = True
+        try:
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+        except (AttributeError, OSError):
+            return
+        _report("fastload: early reads: no idle CPU time for them (%.1f s waiting for a CPU in %.1f s); "
+                "reading on as a batch job", waited, time.perf_counter() - self._start)
+
+
+def _cpu_wait_s() -> float | None:
+    """Seconds this process has waited on a run queue (runnable, not running); None where the kernel
+    does not say."""
+    try:
+        with open("/proc/self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _run_normally() -> None:

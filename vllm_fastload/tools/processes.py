@@ -34,6 +34,40 @@ def stop_process_group(proc: subprocess.Popen | None, timeout: float = 10) -> No
         proc.wait(timeout=timeout)
 
 
+def session_processes(sid: int) -> list[str]:
+    """The processes of session ``sid`` (a process started with ``start_new_session=True`` leads
+    one; what it starts stays in it unless it starts a session of its own) still running, each as
+    ``"pid command"``; zombies (ended, not yet reaped) are left out."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:  # ended meanwhile
+            continue
+        fields = stat.rsplit(")", 1)[1].split()  # state ppid pgrp session ...
+        if int(fields[3]) == sid and fields[0] != "Z":
+            found.append(f"{pid} {command}")
+    return found
+
+
+def stop_session(sid: int, timeout: float = 10) -> None:
+    """SIGTERM every process of session ``sid`` (``session_processes``), SIGKILL what is left after
+    ``timeout`` s: also the processes its leader left behind when it ended."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        pids = [int(line.split()[0]) for line in session_processes(sid)]
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except OSError:  # ended meanwhile
+                pass
+        deadline = time.monotonic() + timeout
+        while pids and session_processes(sid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+
 def cpu_shm_idents(log: str) -> set[str]:
     """The idents of the shared-memory files of the starts ``log`` records, formed as vLLM-CPU's
     worker forms them (``VLLM_DIST_IDENT``)."""

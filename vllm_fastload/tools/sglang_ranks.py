@@ -1,4 +1,4 @@
-"""SGLang's side of ``vllm-fastload verify --engine sglang`` and ``bench --engine sglang``: rank processes
+"""SGLang's side of ``vllm-fastload verify --engine sglang``: rank processes
 that set SGLang's distributed state up the way its scheduler processes do, then load checkpoints
 through SGLang's own loader interface (``get_model_loader(LoadConfig(...)).load_model(...)``).
 
@@ -137,24 +137,3 @@ def _load_all(rank: int, out_dir: str, paths: list[str], modes: dict, dtype: str
         results[path] = entry
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
 
-
-def load_timed(path: str, load_format: str, extra: dict, dtype: str, device: str) -> dict:
-    """Load one checkpoint on this rank and time SGLang's ``load_model`` alone (the model's
-    construction, the weights, post-processing); fastload's report where it loaded."""
-    import torch
-    from sglang.srt.configs.device_config import DeviceConfig
-    from sglang.srt.configs.load_config import LoadConfig
-    from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.model_loader.loader import get_model_loader
-
-    load_config = LoadConfig(load_format=load_format, model_loader_extra_config=dict(extra))
-    model_config = ModelConfig(path, dtype=dtype)
-    loader = get_model_loader(load_config, model_config)
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()  # every rank starts together, as in a server's start
-    start = time.perf_counter()
-    model = loader.load_model(model_config=model_config, device_config=DeviceConfig(device))
-    seconds = time.perf_counter() - start
-    report = dict(getattr(loader, "report", None) or {}) or None
-    del model
-    return {"seconds": round(seconds, 4), "report": report, "loader": type(loader).__name__}

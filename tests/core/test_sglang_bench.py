@@ -1,0 +1,97 @@
+"""What ``vllm-fastload bench --engine sglang`` and the SGLang server tests read from a server's log
+and make of it (no SGLang needed: the lines are as SGLang 0.5.23 and fastload write them), and the
+process-session helpers that stop a server with everything it started."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from vllm_fastload.bench import sglang as bench
+from vllm_fastload.tools.processes import session_processes, stop_session
+from vllm_fastload.tools.sglang_server import StartLog, omp_binding
+
+TP2_LOG = """\
+[2026-11-28 00:11:57] fastload: early reads: 4 checkpoint files (1.67 GB) into the page cache while SGLang starts
+[2026-11-28 00:12:52 TP0] Load weight begin. avail mem=19.27 GB
+[2026-11-28 00:12:52] fastload: early reads: stopped after 54.71 s, when the load began; 1.46 of 1.67 GB read early
+[2026-11-28 00:12:54 TP1] fastload rank 1/2: read 835.9 MB of 1671.6 MB checkpoint (0.500, 1.000x the 835.9 MB it keeps)
+[2026-11-28 00:12:54 TP1] Load weight end. elapsed=1.32 s, type=LlamaForCausalLM, avail mem=17.62 GB, mem usage=1.59 GB.
+[2026-11-28 00:12:54 TP0] fastload rank 0/2: read 835.9 MB of 1671.6 MB checkpoint (0.500, 1.000x the 835.9 MB it keeps)
+[2026-11-28 00:12:54 TP0] Load weight end. elapsed=2.53 s, type=LlamaForCausalLM, avail mem=17.59 GB, mem usage=1.68 GB.
+"""
+TP1_LOG = """\
+[2026-11-28 00:07:45] fastload: early reads: 4 checkpoint files (1.67 GB) into the page cache while SGLang starts
+[2026-11-28 00:07:50] fastload: early reads: 4 of 4 files in the page cache after 4.49 s
+[2026-11-28 00:08:26] Load weight begin. avail mem=19.35 GB
+[2026-11-28 00:08:27] fastload rank 0/1: read 1671.6 MB of 1671.6 MB checkpoint (1.000, 1.000x the 1671.6 MB it keeps)
+[2026-11-28 00:08:27] Load weight end. elapsed=1.17 s, type=LlamaForCausalLM, avail mem=17.7 GB, mem usage=1.6 GB.
+"""
+DEFAULT_LOG = "[2026-11-28 00:15:57] Load weight end. elapsed=3.78 s, type=LlamaForCausalLM, avail mem=1 GB\n"
+
+
+def test_each_ranks_numbers_and_the_early_reads_are_read_from_the_log():
+    tp2 = StartLog.parse(TP2_LOG)
+    assert tp2.load_s == {0: 2.53, 1: 1.32} and tp2.read_share == {0: 0.5, 1: 0.5}
+    assert (tp2.early_starts, tp2.early_gb, tp2.early_total_gb) == (1, 1.46, 1.67)
+    tp1 = StartLog.parse(TP1_LOG)
+    assert tp1.load_s == {0: 1.17} and tp1.early_gb == 1.67  # finished before the load: all of it
+    default = StartLog.parse(DEFAULT_LOG)
+    assert default.load_s == {0: 3.78} and default.read_share == {} and default.early_gb is None
+
+
+def _row(tp: int, cache: str, loader: str, load: float, ready: float, share: tuple = ()) -> dict:
+    return {"tp": tp, "cache": cache, "loader": loader, "runs": 1, "load_s": [load], "load_median": load,
+            "ready_s": [ready], "ready_median": ready, "read_share": list(share), "early_gb_median": None}
+
+
+def test_the_targets_are_judged_from_the_medians_and_a_loader_that_did_not_start_is_named():
+    rows = [_row(2, "warm", "fastload", 0.5, 20.0, (0.5, 0.5)), _row(2, "warm", "default", 0.9, 20.0),
+            _row(2, "cold", "fastload", 0.55, 21.0, (0.5, 0.5)), _row(2, "cold", "default", 1.5, 22.0),
+            {"tp": 2, "cache": "cold", "loader": "default+overlap", "runs": 0,
+             "error": "ValueError: --startup-weight-load-mode=overlap is not supported: CUDA only"}]
+    verdicts = bench.verdicts(rows, [2])
+    assert "TP=2 fastload cold / fastload warm (weight load) <= 1.15: 1.10x (0.55 / 0.50 s) met" in verdicts
+    assert "TP=2 fastload cold / default cold (weight load) <= 0.5: 0.37x (0.55 / 1.50 s) met" in verdicts
+    assert any(v.startswith("TP=2 fastload cold / default+overlap cold (weight load) <= 0.9: not measured (cold "
+                            "default+overlap: ValueError: --startup-weight-load-mode=overlap is not supported")
+               for v in verdicts)
+    assert "TP=2 fastload warm / default warm (weight load) <= 1.0: 0.56x (0.50 / 0.90 s) met" in verdicts
+    assert "TP=2 fastload cold / default cold (ready) <= 1.0: 0.95x (21.00 / 22.00 s, +1.00 s saved) met" in verdicts
+    assert "TP=2 read share per rank <= 0.56: 0.500 met" in verdicts
+    table = bench.table(rows)
+    assert "| 2 | cold | fastload | 0.55 (0.55-0.55) | 0.37x | 21.0 (21.0-21.0) | 0.95x | 0.500 / 0.500 | - |" in table
+    assert "| 2 | cold | default+overlap | did not start: ValueError" in table
+
+
+def test_a_missed_target_says_so():
+    rows = [_row(1, "warm", "fastload", 0.5, 20.0), _row(1, "cold", "fastload", 0.8, 20.0)]
+    assert "TP=1 fastload cold / fastload warm (weight load) <= 1.15: 1.60x (0.80 / 0.50 s) MISSED" in \
+        bench.verdicts(rows, [1])
+
+
+def test_each_rank_gets_cpus_of_its_own():
+    cpus = sorted(os.sched_getaffinity(0))
+    groups = [group.split(",") for group in omp_binding(2).split("|")]
+    assert len(groups) == 2 and all(groups)
+    if len(cpus) >= 2:
+        assert not set(groups[0]) & set(groups[1])
+    assert omp_binding(1) == ",".join(str(c) for c in cpus)
+
+
+def test_stopping_a_session_ends_what_its_leader_left_behind():
+    """A server's launcher that ended leaves its children in its session: they are found, and ended."""
+    leader = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; subprocess.Popen([sys.executable, "
+                               "'-c', 'import time; time.sleep(600)']); print('started', flush=True)"],
+                              stdout=subprocess.PIPE, start_new_session=True)
+    assert leader.stdout is not None and leader.stdout.readline().strip() == b"started"
+    leader.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while not session_processes(leader.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = session_processes(leader.pid)
+    assert len(left) == 1 and "time.sleep(600)" in left[0]
+    stop_session(leader.pid, timeout=10)
+    assert session_processes(leader.pid) == []
