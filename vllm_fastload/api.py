@@ -113,18 +113,19 @@ class FastCheckpoint:
         return self._reader
 
     def cached_share(self, names: Iterable[str] | None = None) -> float | None:
-        """The share of the named tensors' bytes in the page cache, from a sample of 16 pages per
-        tensor (no names: of the checkpoint's bytes, 64 pages per file); None where it cannot be
-        told (objects, or ``mincore`` not answering truthfully)."""
+        """The share of the named tensors' bytes in the page cache, from a sample of
+        ``policy.PAGE_SAMPLES`` pages per tensor (no names: of the checkpoint's bytes,
+        ``policy.FILE_PAGE_SAMPLES`` per file); None where it cannot be told (objects, or
+        ``mincore`` not answering truthfully)."""
         if self.checkpoint.is_remote:
             return None
         spans: list[tuple[int | None, int, int, int]]
         if names is None:
-            spans = [(f.fd, 0, os.fstat(f.fd).st_size, 64) for f in self.checkpoint.files.values()
-                     if f.fd is not None]
+            spans = [(f.fd, 0, os.fstat(f.fd).st_size, policy.FILE_PAGE_SAMPLES)
+                     for f in self.checkpoint.files.values() if f.fd is not None]
         else:
             infos = [self.checkpoint.info(name) for name in names]
-            spans = [(self.checkpoint.files[i.file].fd, i.start, i.end, 16) for i in infos]
+            spans = [(self.checkpoint.files[i.file].fd, i.start, i.end, policy.PAGE_SAMPLES) for i in infos]
         return _weighted_cached_share(spans)
 
     @property
@@ -140,8 +141,7 @@ class FastCheckpoint:
         configured = None if self.config.strided_min_skip is None else int(self.config.strided_min_skip)
         remote = self.checkpoint.is_remote
         value = policy.strided_min_skip(configured=configured, remote=remote,
-                                        coalesce_gap=int(self.config.remote.coalesce_gap),
-                                        reader_default=0 if remote else self.reader.default_strided_min_skip)
+                                        coalesce_gap=int(self.config.remote.coalesce_gap), backend=self.reader.name)
         self._decisions.note("strided_min_skip", value, configured=configured, remote=remote)
         return value
 

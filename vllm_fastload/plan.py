@@ -8,7 +8,7 @@ reads the rows that enclose them and narrows afterwards ("enclosing"). The cost 
 
 because one extra read call costs about as much as reading ``strided_min_skip`` bytes, and
 below one page (4 KiB) the disk transfers the skipped bytes anyway. The default threshold
-comes from the backend (see ``readers.default_strided_min_skip``) and can be overridden.
+comes from the backend (``policy.reader_strided_min_skip``) and can be overridden.
 
 Ranges are then coalesced, in file-offset order, into aggregated reads ("chunks") of up to
 ``aggregate_size`` bytes, and tensors are grouped by transformer layer so that layers complete

@@ -33,7 +33,7 @@ def open_ckpt(path, config: dict | None = None, device: str = "cpu"):
 N_LAYERS = 24
 TINY = {"threads": 2, "read_size": 4096, "aggregate_size": 4096, "memory_budget": 3 * 4096}
 #: A budget in whole 2 MiB allocation granules: the pool's usual regime (five buffers, see
-#: ``buffers.BUFFERS_IN_USE``, beside the reader's own staging).
+#: ``policy.BUFFERS_IN_USE``, beside the reader's own staging).
 GRANULE = {"threads": 2, "read_size": 4096, "aggregate_size": 4096, "memory_budget": 6 * (2 << 20)}
 POOLS = pytest.mark.parametrize("pool_config", [TINY, GRANULE], ids=["tiny", "granule"])
 

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_fastload import TensorRequest
+from vllm_fastload import TensorRequest, policy
 from vllm_fastload.layers import EMBEDDINGS, FINAL, LAYER, LayerKey, layer_key
 from vllm_fastload.plan import BUFFER_ALIGN, Plan, Rows
 from vllm_fastload.tools.checkpoints import PRESETS, tensor_shapes, write_checkpoint
@@ -103,7 +103,7 @@ def test_default_cost_rule_comes_from_the_backend(one_file):
     with open_ckpt(root) as ckpt:
         # The host reader moves a slice's rows without landing its gaps where the caller sees
         # them (see host.read_rows), so its plans are exact: never the enclosing rows.
-        assert ckpt.strided_min_skip == ckpt.reader.default_strided_min_skip == 0
+        assert ckpt.strided_min_skip == policy.reader_strided_min_skip(ckpt.reader.name) == 0
         assert planned(ckpt, TensorRequest("model.layers.0.a", 1, 4, 8)).strategy == "strided"
     with open_ckpt(root, {"strided_min_skip": "1KiB"}) as ckpt:
         assert ckpt.strided_min_skip == 1024

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from vllm_fastload import policy
 from vllm_fastload.bench.machine import evict
 from vllm_fastload.readers.pagecache import is_cached
 from vllm_fastload.sources import readahead
@@ -172,7 +173,7 @@ def test_the_files_stay_mapped_until_every_load_has_left_its_mark(cold_file: Pat
 def test_the_hold_ends_without_marks_at_its_deadline_or_when_memory_runs_low(cold_file: Path, caplog, monkeypatch,
                                                                             cause: str):
     if cause == "memory":
-        monkeypatch.setattr(readahead, "LOW_MEMORY", 1.0)  # whatever is available counts as low
+        monkeypatch.setattr(policy, "EARLY_READS_LOW_MEMORY", 1.0)  # whatever is available counts as low
     marks = readahead.LoadMarks(1)
     with caplog.at_level(logging.INFO, logger="vllm_fastload"):
         reads = readahead.read_ahead([str(cold_file)], limit=SIZE, hold=marks,

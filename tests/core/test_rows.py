@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_fastload import TensorRequest
+from vllm_fastload import TensorRequest, policy
 from vllm_fastload.errors import ReadError
 from vllm_fastload.libc import releasing_gil
 from vllm_fastload.plan import Rows
@@ -231,7 +231,7 @@ def test_populate_faults_in_fresh_memory_once():
     region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     t = torch.frombuffer(region, dtype=torch.uint8)
     address = t.data_ptr()
-    assert not memory.populate(address, memory.MIN_BYTES - 1)     # too small to bother
+    assert not memory.populate(address, policy.MIN_POPULATE_BYTES - 1)     # too small to bother
     did = memory.populate(address, size)
     if not memory._supported:
         pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14): reads fault as usual")

@@ -57,7 +57,7 @@ class RankReport:
     bytes_read: int
     bytes_kept: int | None
     bytes_total: int
-    backend: str
+    backend: policy.Backend
     seconds: float
     summary: str
     #: How many tensors took each way in (see ``reads.RankReads.paths``; "load_weights": read
@@ -222,7 +222,7 @@ class _Outcome:
 
     loaded: set[str] | None
     kept: int | None
-    backend: str
+    backend: policy.Backend
     summary: str
     paths: dict[str, int]
 

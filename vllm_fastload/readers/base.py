@@ -5,14 +5,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
 from vllm_fastload.config import FastloadConfig
 from vllm_fastload.format import SafetensorsFile
 from vllm_fastload.plan import Rows
-from vllm_fastload.policy import DecisionLog
+from vllm_fastload.policy import Backend, DecisionLog
 from vllm_fastload.readers.threads import thread_pool
 
 
@@ -77,10 +77,8 @@ class Pending:
 class Reader(ABC):
     """Moves byte ranges of a file into buffers on one device."""
 
-    name: str = "?"
-    #: Default for ``strided_min_skip``: skipping fewer bytes per row than this is cheaper
-    #: to read through (one extra read call costs about as much as reading this many bytes).
-    default_strided_min_skip: int = 4096
+    #: Which backend it is (set by each concrete reader).
+    name: ClassVar[Backend]
     #: Whether ``submit`` takes ``RowsCall`` as such (gaps included); other readers get them
     #: expanded into one ``ReadCall`` per row, and are never given rows with ``gaps``.
     reads_rows: bool = False
@@ -100,7 +98,7 @@ class Reader(ABC):
     @property
     def direct_read_ahead(self) -> int:
         """Bytes of reads into the caller's own tensors worth queueing beyond the executor's
-        three chunks in flight (0: three chunks keep this reader's threads busy)."""
+        ``policy.CHUNKS_IN_FLIGHT`` chunks (0: those keep this reader's threads busy)."""
         return 0
 
     @abstractmethod

@@ -68,12 +68,8 @@ def allocate_host(nbytes: int, hugepages: bool) -> torch.Tensor:
 
 class HostReader(Reader):
     name = "host"
+    #: Its plans are exact (``policy.reader_strided_min_skip``): see ``read_rows``.
     reads_rows = True
-    #: Plans for this reader are exact: it moves a slice's rows without landing the bytes between
-    #: them anywhere the caller sees (copied out of a mapping where cached, else read through gaps
-    #: under a page into a scratch buffer, see ``read_rows``), so reading the enclosing rows
-    #: instead would only add bytes to copy and hold.
-    default_strided_min_skip = 0
 
     def __init__(self, config: FastloadConfig, device: torch.device) -> None:
         super().__init__(config, device)
@@ -299,20 +295,15 @@ def cached_calls(fd: int, calls: Sequence[_Probed]) -> bool:
     return hi <= lo or _cached(fd, (lo, (lo + hi) // 2, hi - 1))
 
 
-#: Pages sampled per chunk to tell a wholly cached chunk from one with holes: enough to find a
-#: reclaimed stretch, few enough for one probe per chunk on the loading thread.
-HOLE_SAMPLES = 64
-
-
 def _has_holes(fd: int, calls: Sequence[_Probed]) -> bool:
     """Whether pages of a chunk that probed as cached are missing from the page cache (as a host
     that reclaims idle page cache leaves a checkpoint read into it earlier)."""
     if not calls:
         return False
     lo, hi = _span(_ranges(calls))
-    if hi - lo <= HOLE_SAMPLES * pagecache.PAGE:
+    if not policy.sample_for_holes(span=hi - lo, page=pagecache.PAGE):
         return False
-    share = pagecache.cached_share(fd, lo, hi, samples=HOLE_SAMPLES)
+    share = pagecache.cached_share(fd, lo, hi, samples=policy.HOLE_SAMPLES)
     return share is not None and share < 1.0
 
 
@@ -329,7 +320,7 @@ def advise(fd: int, calls: Sequence[_Probed]) -> None:
     ranges = _ranges(calls)
     lo, hi = _span(ranges)
     needed = sum(length for _, length in ranges)
-    spans = [(lo, hi - lo)] if hi - lo <= 2 * needed else ranges
+    spans = [(lo, hi - lo)] if policy.advise_whole_span(span=hi - lo, needed=needed) else ranges
     for offset, length in spans:
         try:
             os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)

@@ -73,7 +73,9 @@ def read_ahead(paths: Sequence[str], *, limit: int, hold: LoadMarks | None = Non
     if not sys.executable:
         logger.info("fastload: no early reads: no Python interpreter to run them in (sys.executable is empty)")
         return None
-    request = {"paths": list(paths), "total": total, "hold_s": hold_s, "low_memory": LOW_MEMORY,
+    from vllm_fastload import policy  # here: the reading process runs this file without the package
+
+    request = {"paths": list(paths), "total": total, "hold_s": hold_s, "low_memory": policy.EARLY_READS_LOW_MEMORY,
                "marks": None if hold is None else [hold.directory, hold.expected], "parent": os.getpid()}
     # -I -S: no site-packages, no environment, not even this file's directory on the path: a bare
     # interpreter that starts in milliseconds and imports only the standard library. Its output and
@@ -145,8 +147,6 @@ CHUNK = 16 << 20
 MADV_POPULATE_READ = 22  # Linux 5.14
 #: Seconds between two looks for the loads' marks.
 POLL_S = 0.2
-#: Held files are let go early when less than this share of the machine's memory is available.
-LOW_MEMORY = 0.1
 
 
 def _serve(request: dict[str, Any]) -> None:
