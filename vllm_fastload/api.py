@@ -210,8 +210,8 @@ class FastCheckpoint:
             ...     model.state_dict()[name].copy_(tensor)
         """
         plan = self.plan(names)
-        for planned, tensor in self._execute(plan):
-            yield planned.key, cast(tensor, dtype)
+        for delivered in self._execute(plan):
+            yield delivered.planned.key, cast(delivered.tensor, dtype)
 
     def read_into(self, targets: Targets) -> LoadStats:
         """Read each request straight into the caller's tensor.
@@ -268,14 +268,15 @@ class FastCheckpoint:
         plan = self.plan(requests, dests=direct)
         if check is not None:
             check(plan)
-        for planned, tensor in self._execute(plan, quiet=quiet, on_layer_end=on_layer_end):
+        for delivered in self._execute(plan, quiet=quiet, on_layer_end=on_layer_end):
+            planned = delivered.planned
             if planned.dest is not None:
                 continue
             target = by_key.get(planned.key)
             if target is not None:
-                target.copy_(tensor)
+                target.copy_(delivered.tensor)
             elif on_tensor is not None:
-                on_tensor(planned.key, tensor)
+                on_tensor(planned.key, delivered.tensor)
         assert self.last_stats is not None  # set when the execution ends
         return self.last_stats
 
@@ -291,9 +292,9 @@ class FastCheckpoint:
             plan = build_plan(self.checkpoint, [request], aggregate_size=int(self.config.aggregate_size),
                               strided_min_skip=self.strided_min_skip,
                               dests={request.result_key: out} if direct else None)
-            for _, tensor in self._execute(plan, quiet=True):
+            for delivered in self._execute(plan, quiet=True):
                 if not direct:
-                    out.copy_(tensor)
+                    out.copy_(delivered.tensor)
         return cast(out, dtype)
 
     def _check_destination(self, planned: PlannedTensor, dest: torch.Tensor) -> None:

@@ -153,7 +153,7 @@ def test_files_and_groups_never_share_a_chunk(tmp_path: Path):
         assert [len(g.chunks) for g in plan.groups] == [2, 1]
         for g in plan.groups:
             for c in g.chunks:
-                assert {t.info.file for t, _ in c.tensors} == {c.file}
+                assert {ct.tensor.info.file for ct in c.tensors} == {c.file}
 
 
 def test_padding_counts_towards_the_aggregate_size(tmp_path: Path):
@@ -217,7 +217,7 @@ def check_chunks(plan: Plan, aggregate: int) -> None:
         for (_, end), (begin, _) in itertools.pairwise(spans):
             assert end <= begin
         assert all(end <= chunk.nbytes for _, end in spans)
-        for t, pos in chunk.tensors:
+        for t, pos in ((ct.tensor, ct.buf_offset) for ct in chunk.tensors):
             itemsize = max(1, t.info.bits // 8)
             assert pos % itemsize == 0
             assert pos + t.read_bytes <= chunk.nbytes
@@ -364,7 +364,7 @@ def test_direct_destinations_get_chunks_without_buffers(one_file):
         dest = torch.empty(8, 16)
         plan = ckpt.plan(["model.layers.0.a", "model.layers.0.b"], dests={"model.layers.0.a": dest})
         direct = [c for c in plan.chunks if c.direct]
-        assert len(direct) == 1 and direct[0].tensors[0][0].dest is dest
+        assert len(direct) == 1 and direct[0].tensors[0].tensor.dest is dest
         assert plan.largest_chunk == 8 * 16 * 4
         ckpt.read_into({"model.layers.0.a": dest})
         assert_bitexact(dest, tensors["model.layers.0.a"])
