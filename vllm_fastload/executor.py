@@ -31,7 +31,7 @@ from vllm_fastload.errors import CheckpointError, PlanError
 from vllm_fastload.events import LoadProgress
 from vllm_fastload.format import SafetensorsFile
 from vllm_fastload.plan import Chunk, LayerGroup, Plan, PlannedTensor
-from vllm_fastload.readers import Call, Pending, ReadCall, Reader, RowsCall
+from vllm_fastload.readers import Call, FileWindow, Pending, ReadCall, Reader, RowsCall
 from vllm_fastload.tensors import byte_view, torch_dtype, view_tensor
 
 logger = logging.getLogger("vllm_fastload")
@@ -171,9 +171,9 @@ class MappedDelivery(Delivery):
 
     views_file = True
 
-    def __init__(self, chunk: Chunk, window: torch.Tensor, first: int) -> None:
+    def __init__(self, chunk: Chunk, window: FileWindow) -> None:
         super().__init__(chunk)
-        self.window, self.first = window, first
+        self.window = window
 
     @property
     def read_bytes(self) -> int:
@@ -185,8 +185,8 @@ class MappedDelivery(Delivery):
     def deliver(self) -> Iterator[Delivered]:
         for c in self.chunk.tensors:
             t = c.tensor
-            offset = t.ranges[0][0] - self.first
-            yield Delivered(t, view_tensor(self.window[offset:offset + t.read_bytes], t))
+            offset = t.ranges[0].offset - self.window.first
+            yield Delivered(t, view_tensor(self.window.tensor[offset:offset + t.read_bytes], t))
 
 
 def _after_consumer_work(chunk: Chunk, buf: Buffer | None) -> None:
@@ -232,7 +232,7 @@ def _direct_bytes(chunk: Chunk) -> int:
     return sum(c.tensor.read_bytes for c in chunk.tensors)
 
 
-def _mapped(reader: Reader, sf: SafetensorsFile, chunk: Chunk) -> tuple[torch.Tensor, int] | None:
+def _mapped(reader: Reader, sf: SafetensorsFile, chunk: Chunk) -> FileWindow | None:
     """The chunk's bytes where a buffered chunk can be handed out as views of a mapping of the
     file instead of read into a buffer (the reader decides: cached, local, mappable); None to read
     it. Each tensor must be one aligned range of the file (row slices read segment by segment are
@@ -319,7 +319,7 @@ class ReadAhead:
             return DirectDelivery(chunk, self.prepared.pop(self.next_index))
         window = _mapped(ex.reader, sf, chunk)
         if window is not None:
-            return MappedDelivery(chunk, *window)
+            return MappedDelivery(chunk, window)
         buf = ex.pool.try_acquire(chunk.nbytes)
         if buf is None:
             if self.in_flight:

@@ -18,6 +18,7 @@ import pytest
 
 from vllm_fastload import policy
 from vllm_fastload.bench.machine import evict
+from vllm_fastload.plan import ByteRange
 from vllm_fastload.readers.pagecache import is_cached
 from vllm_fastload.sources import readahead
 
@@ -91,7 +92,7 @@ def test_a_chunk_with_reclaimed_pages_is_told_from_a_cached_one(cold_file: Path)
     readahead._read_in([str(cold_file)])
     fd = os.open(cold_file, os.O_RDONLY)
     try:
-        calls = [(0, SIZE, None)]
+        calls = [ByteRange(0, SIZE)]
         assert host.cached_calls(fd, calls) and not host._has_holes(fd, calls)
         _drop(cold_file, SIZE // 4, SIZE // 8)  # a hole in the middle, ends still cached
         assert host.cached_calls(fd, calls) and host._has_holes(fd, calls)

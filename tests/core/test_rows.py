@@ -280,7 +280,7 @@ def test_cache_probe_and_advice(tmp_path: Path, monkeypatch):
     fd = os.open(path, os.O_RDONLY)
     try:
         os.pread(fd, 1 << 20, 0)                       # just written and read: cached
-        calls = [(8, 4096, torch.empty(4096, dtype=torch.uint8))]
+        calls = [ReadCall(8, 4096, torch.empty(4096, dtype=torch.uint8))]
         assert host.cached_calls(fd, calls) is hasattr(os, "RWF_NOWAIT")
         monkeypatch.setattr(host, "_cached", lambda fd, offsets: False)
         assert host.cached_calls(fd, calls) is False
@@ -340,7 +340,8 @@ def test_gpu_staging_packs_rows_and_ranges_into_a_slot(wide, gaps: bool):
         batch = [ReadCall(start, 100, "head"), RowsCall(rows, "rows"), ReadCall(start + 192, 8, "tail")]
         slot = torch.zeros(100 + 700 * 32 + 8, dtype=torch.uint8)
         placed = fill_slot(sf, memoryview(slot.numpy()), batch, read_size=64)
-    assert placed == [(0, 100, "head"), (100, 700 * 32, "rows"), (100 + 700 * 32, 8, "tail")]
+    assert [(p.offset, p.length, p.dest) for p in placed] == [(0, 100, "head"), (100, 700 * 32, "rows"),
+                                                              (100 + 700 * 32, 8, "tail")]
     assert torch.equal(slot[:100], raw.flatten()[:100])
     assert torch.equal(slot[100:100 + 700 * 32].reshape(700, 32), raw[10:710, 64:96])
     assert torch.equal(slot[-8:], raw[1, :8])

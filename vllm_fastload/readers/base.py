@@ -5,13 +5,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
 import torch
 
 from vllm_fastload.config import FastloadConfig
 from vllm_fastload.format import SafetensorsFile
-from vllm_fastload.plan import Rows
+from vllm_fastload.plan import ByteRange, Rows
 from vllm_fastload.policy import Backend, DecisionLog
 from vllm_fastload.readers.threads import thread_pool
 
@@ -34,6 +35,16 @@ class RowsCall(NamedTuple):
 
 #: What a reader is asked to do.
 Call = ReadCall | RowsCall
+
+
+@dataclass(frozen=True, eq=False)  # identity: it holds a tensor (no elementwise ==)
+class FileWindow:
+    """Bytes of a file as a uint8 tensor over a mapping of it, whose views may be handed out
+    instead of reading them (``Reader.mapped``)."""
+
+    tensor: torch.Tensor
+    #: The file offset of the tensor's first byte.
+    first: int
 
 
 class Pending:
@@ -109,10 +120,10 @@ class Reader(ABC):
     def submit(self, sf: SafetensorsFile, calls: Sequence[Call]) -> Pending:
         """Start reading ``calls`` from ``sf``; return a handle to wait on."""
 
-    def mapped(self, sf: SafetensorsFile, ranges: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, int] | None:
-        """Bytes of the file covering ``ranges``, as a uint8 tensor over a mapping whose views may be
-        handed out instead of reading them, and the file offset of its first byte; None: read
-        them. Only a reader whose destination is host memory can say yes (see ``HostReader``)."""
+    def mapped(self, sf: SafetensorsFile, ranges: Sequence[ByteRange]) -> FileWindow | None:
+        """Bytes of the file covering ``ranges`` over a mapping whose views may be handed out
+        instead of reading them; None: read them. Only a reader whose destination is host memory
+        can say yes (see ``HostReader``)."""
         return None
 
     def threads(self) -> ThreadPoolExecutor:

@@ -29,10 +29,11 @@ import torch
 from vllm_fastload import policy
 from vllm_fastload.config import FastloadConfig, reader_cpu_count
 from vllm_fastload.format import SafetensorsFile
-from vllm_fastload.plan import Rows
+from vllm_fastload.plan import ByteRange, Rows
 from vllm_fastload.policy import ChunkRead, MapChunk
 from vllm_fastload.readers import direct, mapped, pagecache, row_pages
-from vllm_fastload.readers.base import Call, Pending, Reader, RowsCall
+from vllm_fastload.readers.base import Call, FileWindow, Pending, Reader, RowsCall
+from vllm_fastload.readers.direct import DirectFile
 from vllm_fastload.readers.memory import populate
 from vllm_fastload.readers.remote import submit_to_source
 from vllm_fastload.readers.threads import thread_pool
@@ -41,9 +42,9 @@ from vllm_fastload.sources.local import IOV_MAX, pread_into, preadv_into
 from vllm_fastload.tensors import host_bytes
 
 HUGE_PAGE = 2 << 20
-#: What the page-cache probes and the advice take: read calls, or bare ``(offset, length, None)``
-#: ranges of a chunk that may be mapped instead of read.
-_Probed = Call | tuple[int, int, None]
+#: What the page-cache probes and the advice take: read calls, or the ranges of a chunk that may
+#: be mapped instead of read.
+_Probed = Call | ByteRange
 PAGE = mmap.PAGESIZE
 
 
@@ -77,10 +78,10 @@ class HostReader(Reader):
         self.bounce_size = _bounce_size(config)
         self.decisions.note("O_DIRECT buffer per thread", self.bounce_size, direct_io=config.direct_io,
                             memory_budget=int(config.memory_budget), threads=config.threads)
-        #: (buffered descriptor, inode) -> (O_DIRECT descriptor, alignment), or None where O_DIRECT
-        #: fails. The inode is in the key so that a descriptor number reused for another file
-        #: never finds the old file's O_DIRECT descriptor.
-        self._direct: dict[tuple[int, int], tuple[int, int] | None] = {}
+        #: (buffered descriptor, inode) -> its O_DIRECT twin, or None where O_DIRECT fails. The
+        #: inode is in the key so that a descriptor number reused for another file never finds
+        #: the old file's O_DIRECT descriptor.
+        self._direct: dict[tuple[int, int], DirectFile | None] = {}
         #: Buffered descriptors whose read-ahead is off (see ``_no_readahead``), keyed like ``_direct``.
         self._random: set[tuple[int, int]] = set()
 
@@ -120,19 +121,18 @@ class HostReader(Reader):
                 advise_rows(sf.fd, r, ahead=True)  # now, so the disk works ahead of the threads
             opened = facts.opened
             assert opened is not None  # DIRECT only for a file that opened with O_DIRECT
-            dfd, align = opened
-            pool, task = self.threads(), functools.partial(_read_batch_direct, dfd, align, self.bounce_size)
+            pool, task = self.threads(), functools.partial(_read_batch_direct, opened, self.bounce_size)
         futures = [pool.submit(task, sf.fd, sf.path, batch) for batch in self.batches(calls, self.config.read_size)]
         return Pending(futures)
 
-    def mapped(self, sf: SafetensorsFile, ranges: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, int] | None:
+    def mapped(self, sf: SafetensorsFile, ranges: Sequence[ByteRange]) -> FileWindow | None:
         """Cached ranges, mostly cached ones, and with ``direct_io`` "never" also ranges not
         cached (``policy.map_chunk``); the missing pages are advised to the kernel now (the
         caller's copy then waits for the disk where it gets ahead of it)."""
         if not ranges:
             return None
         fd = -1 if sf.fd is None else sf.fd
-        calls: list[_Probed] = [(offset, length, None) for offset, length in ranges]
+        calls: list[_Probed] = list(ranges)
         start, end = _span(ranges)
         facts = _MapFacts(fd, calls, start, end)
         how = policy.map_chunk(facts, map_cached=self.config.map_cached, remote=sf.fd is None,
@@ -171,7 +171,7 @@ class HostReader(Reader):
         except (OSError, AttributeError):
             pass  # advice only
 
-    def _direct_fd(self, fd: int) -> tuple[int, int] | None:
+    def _direct_fd(self, fd: int) -> DirectFile | None:
         if not self.bounce_size:
             return None
         key = (fd, os.fstat(fd).st_ino)
@@ -201,7 +201,7 @@ class HostReader(Reader):
             self._copy_pool = None
         for opened in self._direct.values():
             if opened is not None:
-                os.close(opened[0])
+                os.close(opened.fd)
         self._direct.clear()
         self._random.clear()
 
@@ -236,8 +236,8 @@ class _ChunkFacts:
         return self._probe("direct_ok", lambda fd: self.opened is not None)
 
     @functools.cached_property
-    def opened(self) -> tuple[int, int] | None:
-        """The O_DIRECT descriptor and its alignment, or None."""
+    def opened(self) -> DirectFile | None:
+        """The O_DIRECT descriptor, or None."""
         assert self._fd is not None
         return self._reader._direct_fd(self._fd)
 
@@ -277,11 +277,12 @@ def _bounce_size(config: FastloadConfig) -> int:
                               max_alignment=max(direct.ALIGNMENTS))
 
 
-def _ranges(calls: Sequence[_Probed]) -> list[tuple[int, int]]:
-    return [(c.rows.offset, c.rows.span) if isinstance(c, RowsCall) else (c[0], c[1]) for c in calls]
+def _ranges(calls: Sequence[_Probed]) -> list[ByteRange]:
+    return [ByteRange(c.rows.offset, c.rows.span) if isinstance(c, RowsCall) else ByteRange(c.offset, c.length)
+            for c in calls]
 
 
-def _span(ranges: Sequence[tuple[int, int]]) -> tuple[int, int]:
+def _span(ranges: Sequence[ByteRange]) -> tuple[int, int]:
     """The bytes ``[lo, hi)`` from the first range's start to the last one's end."""
     return min(offset for offset, _ in ranges), max(offset + length for offset, length in ranges)
 
@@ -365,8 +366,7 @@ def _read_batch(fd: int, path: str, batch: list[Call], cached: bool = False) -> 
         view = dest = None
 
 
-def _read_batch_direct(dfd: int, align: int, bounce_size: int, fd: int, path: str,
-                       batch: list[Call]) -> None:
+def _read_batch_direct(opened: DirectFile, bounce_size: int, fd: int, path: str, batch: list[Call]) -> None:
     """Like ``_read_batch``, contiguous ranges through O_DIRECT (see ``direct``); slices along a
     later dim through the page cache with advice for exactly their pages. A file that turns
     out not to allow O_DIRECT is read buffered."""
@@ -378,7 +378,7 @@ def _read_batch_direct(dfd: int, align: int, bounce_size: int, fd: int, path: st
                 _read_batch(fd, path, [call])  # advised at submit (see ``advise_rows``)
                 continue
             try:
-                direct.read_into(dfd, align, path, call.offset, call.dest, bounce)
+                direct.read_into(opened.fd, opened.align, path, call.offset, call.dest, bounce)
             except direct.DirectUnsupported:
                 advise(fd, batch[i:])  # read-ahead may be off on this descriptor
                 _read_batch(fd, path, batch[i:])

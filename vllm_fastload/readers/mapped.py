@@ -32,6 +32,7 @@ import torch
 
 from vllm_fastload.libc import MAP_FAILED, keeping_gil
 from vllm_fastload.plan import Rows
+from vllm_fastload.readers.base import FileWindow
 from vllm_fastload.sources.fstype import filesystem_type, is_network
 
 
@@ -89,10 +90,10 @@ def _strided_copy(mapping: mmap.mmap, first: int, rows: Rows, view: memoryview) 
         whole = source = packed = None
 
 
-def file_window(fd: int, path: str, start: int, end: int) -> tuple[torch.Tensor, int] | None:
+def file_window(fd: int, path: str, start: int, end: int) -> FileWindow | None:
     """Bytes ``[start, end)`` of the file at ``path`` (open as ``fd``), or a little more, as a uint8
-    CPU tensor over a private mapping, with the file offset of its first byte; None where the file
-    is on a network filesystem (see above), shorter than ``end`` or cannot be mapped.
+    CPU tensor over a private mapping; None where the file is on a network filesystem (see above),
+    shorter than ``end`` or cannot be mapped.
 
     Private and writable: a caller that writes into a view gets its own copy of those pages, and
     the file never changes; pages nobody wrote show the file as it is (as safetensors' mapping
@@ -116,4 +117,4 @@ def file_window(fd: int, path: str, start: int, end: int) -> tuple[torch.Tensor,
         return None
     memory = (ctypes.c_ubyte * length).from_address(address)
     weakref.finalize(memory, libc.munmap, address, length)  # when the last view is gone
-    return torch.frombuffer(memory, dtype=torch.uint8), first
+    return FileWindow(torch.frombuffer(memory, dtype=torch.uint8), first)
