@@ -241,12 +241,12 @@ class FastCheckpoint:
         return self._read_into(targets)
 
     def _read_into(self, targets: Targets, *, extra: Iterable[RequestLike] = (),
-                   on_tensor: Callable[[str, torch.Tensor], object] | None = None,
+                   on_tensor: Callable[[TensorRequest, torch.Tensor], object] | None = None,
                    on_layer_end: Callable[[LayerGroup], object] | None = None,
                    check: Callable[[Plan], object] | None = None, quiet: bool = False) -> LoadStats:
         """``read_into`` with the hooks an engine adapter needs (the vLLM loader, TGI's patch).
 
-        Requests in ``extra`` are read in the same pass and handed to ``on_tensor(key, tensor)`` as
+        Requests in ``extra`` are read in the same pass and handed to ``on_tensor(request, tensor)`` as
         views (valid during the call). ``on_layer_end(group)`` runs once a layer's tensors are all
         delivered, before its layer event (e.g. to finish filling its parameters, see
         ``exchange``). ``check(plan)`` runs on the plan before anything is read; what it raises
@@ -276,7 +276,7 @@ class FastCheckpoint:
             if target is not None:
                 target.copy_(delivered.tensor)
             elif on_tensor is not None:
-                on_tensor(planned.key, delivered.tensor)
+                on_tensor(planned.request, delivered.tensor)
         assert self.last_stats is not None  # set when the execution ends
         return self.last_stats
 

@@ -73,10 +73,10 @@ def _worker(rank: int, world: int, port: int, path: str, uneven: bool, cast: boo
             read = {r: d for r, d in targets.items() if not swap.owns(r)}
             seen = []
 
-            def on_tensor(key: str, tensor: torch.Tensor) -> None:
-                if fail is not None and fail[0] == rank and key.startswith(fail[1]):
-                    raise CheckpointError("injected failure", file=path, tensor=key)
-                seen.append(swap.take(key, tensor))
+            def on_tensor(request: TensorRequest, tensor: torch.Tensor) -> None:
+                if fail is not None and fail[0] == rank and request.result_key.startswith(fail[1]):
+                    raise CheckpointError("injected failure", file=path, tensor=request.result_key)
+                seen.append(swap.take(request, tensor))
 
             try:
                 ckpt._read_into(read, extra=swap.row_requests(), on_tensor=on_tensor, on_layer_end=swap.layer_done)

@@ -240,9 +240,9 @@ def _load_planned(ckpt: FastCheckpoint, reads: RankReads, sharing: _Sharing,
         targets = {req: dest for req, dest in targets.items() if not swap.owns(req)}
         slabs += swap.row_requests()
 
-    def on_tensor(key: str, tensor: torch.Tensor) -> None:
-        if swap is None or not swap.take(key, tensor):
-            reads.replay(key, tensor)
+    def on_tensor(request: TensorRequest, tensor: torch.Tensor) -> None:
+        if swap is None or not swap.take(request, tensor):
+            reads.replay(request.result_key, tensor)
 
     def on_layer_end(group: LayerGroup) -> None:
         if swap is not None:
