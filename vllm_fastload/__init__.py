@@ -5,7 +5,7 @@ Importing this package never imports vLLM or SGLang (their loaders live in
 through their plugin entry points).
 """
 
-from vllm_fastload.api import FastCheckpoint, open
+from vllm_fastload.api import FastCheckpoint, ReadHooks, TensorStream, open
 from vllm_fastload.checkpoint import Checkpoint
 from vllm_fastload.config import ConfigError, FastloadConfig
 from vllm_fastload.errors import (
@@ -51,11 +51,13 @@ __all__ = [
     "PlanError",
     "PlannedTensor",
     "ReadError",
+    "ReadHooks",
     "StoreUnavailableError",
     "TensorInfo",
     "TensorMetadataError",
     "TensorNotFoundError",
     "TensorRequest",
+    "TensorStream",
     "TruncatedFileError",
     "open",
 ]

@@ -72,9 +72,10 @@ def test_dim1_slice_follows_the_cost_rule(one_file, skip: int, strategy: str):
         else:
             assert t.ranges == [(info.start + 16, 7 * 64 + 32)]
             assert t.view_strides == (16, 1)
-        ((_, view),) = [(k, v.clone()) for k, v in ckpt.iter_tensors([req])]
+        stream = ckpt.iter_tensors([req])
+        ((_, view),) = [(k, v.clone()) for k, v in stream]
         assert_bitexact(view, tensors[info_name][:, 4:12])
-        assert ckpt.last_stats.bytes_read == t.read_bytes
+        assert stream.stats.bytes_read == t.read_bytes
 
 
 @given(offset=st.integers(0, 1 << 40), seg=st.integers(1, 1 << 20), gap=st.integers(0, 1 << 20),
@@ -200,9 +201,10 @@ def test_chunk_invariants(data, aggregate: int, skip: int):
         with open_ckpt(tmp, config) as ckpt:
             plan = ckpt.plan(reqs)
             check_chunks(plan, aggregate)
-            got = {k: v.clone() for k, v in ckpt.iter_tensors(reqs)}
-            assert ckpt.last_stats.bytes_read == plan.read_bytes
-            assert ckpt.last_stats.chunks == len(plan.chunks)
+            stream = ckpt.iter_tensors(reqs)
+            got = {k: v.clone() for k, v in stream}
+            assert stream.stats.bytes_read == plan.read_bytes
+            assert stream.stats.chunks == len(plan.chunks)
     for r in reqs:
         want = tensors[r.name] if r.dim is None else tensors[r.name].narrow(r.dim, r.start, r.length)
         assert_bitexact(got[r.name], want, r.name)
@@ -316,8 +318,9 @@ def test_tp2_rank1_reads_about_half(tmp_path: Path, skip: int):
         assert plan.checkpoint_bytes == total
         assert plan.read_bytes <= 0.6 * total
         assert plan.needed_bytes <= plan.read_bytes
-        got = {k: v.clone() for k, v in ckpt.iter_tensors(reqs)}
-        assert ckpt.last_stats.bytes_read == plan.read_bytes
+        stream = ckpt.iter_tensors(reqs)
+        got = {k: v.clone() for k, v in stream}
+        assert stream.stats.bytes_read == plan.read_bytes
         full = {n: ckpt.get_tensor(n) for n in ckpt.keys()}
     for r in reqs:
         want = full[r.name] if r.dim is None else full[r.name].narrow(r.dim, r.start, r.length)

@@ -151,13 +151,14 @@ def check_case(case: Case, config: dict, device: str = "cpu") -> None:
 
             # iter_tensors: every key once, right values (views compared before any copy).
             seen = []
-            for key, view in ckpt.iter_tensors(case.requests):
+            stream = ckpt.iter_tensors(case.requests)
+            for key, view in stream:
                 assert_bitexact(view, wants[key], f"iter_tensors {key}")
                 seen.append(key)
             assert sorted(seen) == sorted(wants)
             for strategy in ckpt.plan(case.requests).strategy_counts():
                 event(f"strategy {strategy}")
-            stats = ckpt.last_stats
+            stats = stream.stats
             event(f"chunks > 1: {stats.chunks > 1}")
             event(f"oversize: {stats.oversize_tensors > 0}")
 

@@ -29,10 +29,11 @@ import torch
 from torch import nn
 
 from vllm_fastload import exchange, policy
-from vllm_fastload.api import FastCheckpoint
+from vllm_fastload.api import FastCheckpoint, ReadHooks
 from vllm_fastload.config import FastloadConfig, reader_cpu_count
 from vllm_fastload.errors import CheckpointError
 from vllm_fastload.events import Countdown
+from vllm_fastload.executor import LoadStats
 from vllm_fastload.format import TensorInfo
 from vllm_fastload.model.probe import LoadWeights, Placement, ProbeResult, own_load_weights, probe_model
 from vllm_fastload.model.reads import RankReads, plan_reads
@@ -163,10 +164,9 @@ class _Load:
                 outcome = self.read_whole(ckpt, whole, probe.unsupported[0], len(infos))
             else:
                 outcome = self.read_planned(ckpt, probe, infos)
-            stats = ckpt.last_stats
         return RankReport(rank=self.rank, world=self.world, planned=not probe.unsupported,
                           fallback_reason=probe.unsupported[0] if probe.unsupported else None,
-                          loaded=outcome.loaded, bytes_read=stats.bytes_read if stats else 0,
+                          loaded=outcome.loaded, bytes_read=outcome.stats.bytes_read,
                           bytes_kept=outcome.kept, bytes_total=ckpt.checkpoint.total_bytes,
                           backend=outcome.backend, seconds=time.perf_counter() - start, summary=outcome.summary,
                           paths=outcome.paths, phases=self.phases, cached=cached,
@@ -184,14 +184,15 @@ class _Load:
         self.decisions.note("direct_io for whole reads", whole.direct_io, configured=self.config.direct_io,
                             world=self.world)
         if not self.config.plan_per_rank or whole is self.config:  # opened with ``whole`` already
-            loaded, summary = self.through_model(ckpt)
+            loaded, stats = self.through_model(ckpt)
             backend = ckpt.reader.name
         else:
             with self.open(whole) as again:
-                loaded, summary = self.through_model(again)
-                ckpt.last_stats, backend = again.last_stats, again.reader.name
+                loaded, stats = self.through_model(again)
+                backend = again.reader.name
         self.phases["read"] = time.perf_counter() - reading
-        return _Outcome(loaded, None, backend, summary, {"load_weights": tensors})
+        return _Outcome(loaded, None, backend, "all tensors read whole through load_weights",
+                        {"load_weights": tensors}, stats)
 
     def read_planned(self, ckpt: FastCheckpoint, probe: ProbeResult, infos: dict[str, TensorInfo]) -> _Outcome:
         """This rank's bytes read into the parameters by its plan, the rest replayed."""
@@ -202,7 +203,7 @@ class _Load:
         reads = plan_reads(probe, infos, ckpt.strided_min_skip)
         reading = time.perf_counter()
         readiness = _Readiness(probe.placements, self.listener) if self.listener is not None else None
-        summary, exchanged = _load_planned(ckpt, reads, self.sharing, readiness)
+        summary, exchanged, stats = _load_planned(ckpt, reads, self.sharing, readiness)
         post = readiness.seconds if readiness is not None else 0.0
         self.phases.update(plan=reading - planning, check=reads.check_seconds,
                            read=time.perf_counter() - reading - reads.check_seconds - post,
@@ -210,9 +211,9 @@ class _Load:
         if readiness is not None:
             self.phases["post"] = post
         return _Outcome(probe.loaded_params, reads.kept_bytes, ckpt.reader.name, summary,
-                        {**reads.paths(), "exchange": exchanged})
+                        {**reads.paths(), "exchange": exchanged}, stats)
 
-    def through_model(self, ckpt: FastCheckpoint) -> tuple[set[str] | None, str]:
+    def through_model(self, ckpt: FastCheckpoint) -> tuple[set[str] | None, LoadStats]:
         return _load_through_model(self.model, ckpt, self.load_weights, self.decisions)
 
 
@@ -225,11 +226,35 @@ class _Outcome:
     backend: policy.Backend
     summary: str
     paths: dict[str, int]
+    stats: LoadStats
+
+
+class _RankHooks(ReadHooks):
+    """A planned rank's read: its slabs replayed, its row exchange fed and swapped per layer, its
+    listener told which parameters are complete."""
+
+    def __init__(self, reads: RankReads, swap: exchange.RowExchange | None, readiness: _Readiness | None) -> None:
+        self.reads, self.swap, self.readiness = reads, swap, readiness
+
+    def check(self, plan: Plan) -> None:
+        self.reads.check(plan)
+        if self.readiness is not None:
+            self.readiness.planned(plan)
+
+    def on_tensor(self, request: TensorRequest, tensor: torch.Tensor) -> None:
+        if self.swap is None or not self.swap.take(request, tensor):
+            self.reads.replay(request.result_key, tensor)
+
+    def on_layer_end(self, group: LayerGroup) -> None:
+        if self.swap is not None:
+            self.swap.layer_done(group)  # completes the layer's exchanged rows
+        if self.readiness is not None:
+            self.readiness.group_done(group)
 
 
 def _load_planned(ckpt: FastCheckpoint, reads: RankReads, sharing: _Sharing,
-                  readiness: _Readiness | None) -> tuple[str, int]:
-    """Read and replay; the summary, and how many tensors the row exchange delivered."""
+                  readiness: _Readiness | None) -> tuple[str, int, LoadStats]:
+    """Read and replay; the summary, how many tensors the row exchange delivered, and what the read did."""
     # No huge-page advice on the parameters: in an engine's worker whose memory is bound to a NUMA
     # node it made the load several times slower, though it speeds filling fresh memory in a plain
     # process (docs/benchmarks.md, Measurements behind the code). (The host reader does fault in
@@ -239,24 +264,8 @@ def _load_planned(ckpt: FastCheckpoint, reads: RankReads, sharing: _Sharing,
     if swap is not None:
         targets = {req: dest for req, dest in targets.items() if not swap.owns(req)}
         slabs += swap.row_requests()
-
-    def on_tensor(request: TensorRequest, tensor: torch.Tensor) -> None:
-        if swap is None or not swap.take(request, tensor):
-            reads.replay(request.result_key, tensor)
-
-    def on_layer_end(group: LayerGroup) -> None:
-        if swap is not None:
-            swap.layer_done(group)  # completes the layer's exchanged rows
-        if readiness is not None:
-            readiness.group_done(group)
-
-    def check(plan: Plan) -> None:
-        reads.check(plan)
-        if readiness is not None:
-            readiness.planned(plan)
-
     try:
-        ckpt._read_into(targets, extra=slabs, on_tensor=on_tensor, on_layer_end=on_layer_end, check=check)
+        stats = ckpt.read_into(targets, extra=slabs, hooks=_RankHooks(reads, swap, readiness))
     except BaseException as exc:
         if swap is not None:
             try:
@@ -266,21 +275,22 @@ def _load_planned(ckpt: FastCheckpoint, reads: RankReads, sharing: _Sharing,
         raise
     summary = reads.summary(len(ckpt.keys()))
     if swap is None:
-        return summary, 0
+        return summary, 0, stats
     swap.finish()
     st = swap.stats
     summary += (f"; {st.tensors} sliced tensors read as whole rows shared with the other "
                 f"{swap.world - 1} rank(s) ({st.bytes_sent / 1e6:.3f} MB sent in {st.layers} exchanges, "
                 f"{st.seconds:.2f} s)")
-    return summary, st.tensors
+    return summary, st.tensors, stats
 
 
 def _load_through_model(model: nn.Module, ckpt: FastCheckpoint, load_weights: LoadWeights,
-                        decisions: policy.DecisionLog) -> tuple[set[str] | None, str]:
+                        decisions: policy.DecisionLog) -> tuple[set[str] | None, LoadStats]:
     current: list[str] = []
+    stream = ckpt.iter_tensors()
 
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in ckpt.iter_tensors():
+        for name, tensor in stream:
             current[:] = [name]
             yield name, tensor
 
@@ -300,7 +310,7 @@ def _load_through_model(model: nn.Module, ckpt: FastCheckpoint, load_weights: Lo
         file = ckpt.info(name).file if name else ckpt.checkpoint.source
         raise CheckpointError(f"the model's load_weights could not load this checkpoint tensor: "
                               f"{type(exc).__name__}: {exc}", file=file, tensor=name) from exc
-    return (set(loaded) if loaded is not None else None), "all tensors read whole through load_weights"
+    return (set(loaded) if loaded is not None else None), stream.stats
 
 
 class _Readiness:
