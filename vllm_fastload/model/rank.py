@@ -21,7 +21,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -37,61 +37,13 @@ from vllm_fastload.executor import LoadStats
 from vllm_fastload.format import TensorInfo
 from vllm_fastload.model.probe import LoadWeights, Placement, ProbeResult, own_load_weights, probe_model
 from vllm_fastload.model.reads import RankReads, plan_reads
+from vllm_fastload.model.report import LoadReport
 from vllm_fastload.plan import LayerGroup, Plan, TensorRequest
 from vllm_fastload.readers.memory import Prefault
 from vllm_fastload.tensors import dtype_of, shape_of
 
 # The core's logger: the adapters show its lines in their engine's log.
 logger = logging.getLogger("vllm_fastload")
-
-
-@dataclass
-class RankReport:
-    """What one rank's load did (the loader logs it; tests and ``verify`` read it)."""
-
-    rank: int
-    world: int
-    planned: bool
-    fallback_reason: str | None
-    #: Parameter names the model's ``load_weights`` reported (None: it reports none).
-    loaded: set[str] | None
-    bytes_read: int
-    bytes_kept: int | None
-    bytes_total: int
-    backend: policy.Backend
-    seconds: float
-    summary: str
-    #: How many tensors took each way in (see ``reads.RankReads.paths``; "load_weights": read
-    #: whole and handed to the model, "exchange": shared row reads).
-    paths: dict[str, int]
-    #: Seconds of the load's parts: "probe" (learning the writes), "plan", "check" (the plan's
-    #: checks), "read" (reading into the parameters, replays included), "replay" (of which replays).
-    phases: dict[str, float]
-    #: The share of the checkpoint in the page cache as the load began (early reads, or a warm
-    #: cache); None where it cannot be told (object stores).
-    cached: float | None = None
-    #: Parameters no checkpoint write reached on the planned path (``ProbeResult.never_written``).
-    never_written: list[str] = field(default_factory=list)
-
-    def as_dict(self, post_processed: int = 0) -> dict[str, object]:
-        """What the engine loaders keep as their ``report`` (for tests and ``verify``);
-        ``post_processed``: modules post-processed as their layer completed."""
-        return {"rank": self.rank, "world": self.world, "planned": self.planned,
-                "fallback_reason": self.fallback_reason, "bytes_read": self.bytes_read,
-                "bytes_kept": self.bytes_kept, "bytes_total": self.bytes_total, "summary": self.summary,
-                "post_processed": post_processed, "phases": self.phases, "cached": self.cached}
-
-    def line(self) -> str:
-        """The rank's log line."""
-        share = self.bytes_read / max(self.bytes_total, 1)
-        kept = (f", {self.bytes_read / self.bytes_kept:.3f}x the {self.bytes_kept / 1e6:.1f} MB it keeps"
-                if self.bytes_kept else "")
-        phases = ", ".join(f"{k} {v:.3f}" for k, v in self.phases.items())
-        cached = f"; {self.cached:.0%} of it in the page cache as the load began" if self.cached is not None else ""
-        return (f"fastload rank {self.rank}/{self.world}: read {self.bytes_read / 1e6:.1f} MB of "
-                f"{self.bytes_total / 1e6:.1f} MB checkpoint ({share:.3f}{kept}) with backend {self.backend} in "
-                f"{self.seconds:.2f} s ({self.bytes_read / max(self.seconds, 1e-9) / 1e9:.2f} GB/s; seconds: "
-                f"{phases}{cached}); {self.summary}")
 
 
 class ParameterListener(Protocol):
@@ -108,7 +60,7 @@ class ParameterListener(Protocol):
 def load_rank(model: nn.Module, path: str | list[str], config: FastloadConfig, *,
               device: torch.device | str = "cpu", rank: int = 0, world: int = 1,
               collectives: exchange.Collectives | None = None, show_progress: bool = False,
-              listener: ParameterListener | None = None, load_weights: LoadWeights | None = None) -> RankReport:
+              listener: ParameterListener | None = None, load_weights: LoadWeights | None = None) -> LoadReport:
     """Fill ``model``'s parameters from the checkpoint at ``path`` (or exactly the files listed) as
     this rank's ``load_weights`` would.
 
@@ -149,7 +101,7 @@ class _Load:
     decisions: policy.DecisionLog
     phases: dict[str, float] = field(default_factory=dict)
 
-    def run(self) -> RankReport:
+    def run(self) -> LoadReport:
         start = time.perf_counter()
         whole = whole_reads_config(self.config, self.world)
         with self.open(self.config if self.config.plan_per_rank else whole) as ckpt:
@@ -158,19 +110,19 @@ class _Load:
             self.sharing.decide(self.config, ckpt, infos)
             tensors = {name: (shape_of(info), dtype_of(info)) for name, info in infos.items()}
             probe = (probe_model(self.model, tensors, self.load_weights) if self.config.plan_per_rank else
-                     ProbeResult(unsupported=["plan_per_rank is false in the fastload config"]))
+                     ProbeResult(unsupported=("plan_per_rank is false in the fastload config",)))
             self.phases["probe"] = time.perf_counter() - start
             if probe.unsupported:
                 outcome = self.read_whole(ckpt, whole, probe.unsupported[0], len(infos))
             else:
                 outcome = self.read_planned(ckpt, probe, infos)
-        return RankReport(rank=self.rank, world=self.world, planned=not probe.unsupported,
+        return LoadReport(rank=self.rank, world=self.world, planned=not probe.unsupported,
                           fallback_reason=probe.unsupported[0] if probe.unsupported else None,
                           loaded=outcome.loaded, bytes_read=outcome.stats.bytes_read,
                           bytes_kept=outcome.kept, bytes_total=ckpt.checkpoint.total_bytes,
                           backend=outcome.backend, seconds=time.perf_counter() - start, summary=outcome.summary,
                           paths=outcome.paths, phases=self.phases, cached=cached,
-                          never_written=[] if probe.unsupported else probe.never_written())
+                          never_written=() if probe.unsupported else tuple(probe.never_written()))
 
     def open(self, config: FastloadConfig) -> FastCheckpoint:
         return FastCheckpoint(self.path, config=config, device=self.device, show_progress=self.show_progress)
@@ -203,17 +155,18 @@ class _Load:
         reads = plan_reads(probe, infos, ckpt.strided_min_skip)
         reading = time.perf_counter()
         readiness = _Readiness(probe.placements, self.listener) if self.listener is not None else None
-        summary, exchanged, stats = _load_planned(ckpt, reads, self.sharing, readiness)
+        hooks = _RankHooks(reads, readiness)
+        summary, exchanged, stats = _load_planned(ckpt, reads, self.sharing, hooks)
         post = readiness.seconds if readiness is not None else 0.0
-        self.phases.update(plan=reading - planning, check=reads.check_seconds,
-                           read=time.perf_counter() - reading - reads.check_seconds - post,
-                           replay=reads.replay_seconds)
+        self.phases.update(plan=reading - planning, check=hooks.check_seconds,
+                           read=time.perf_counter() - reading - hooks.check_seconds - post,
+                           replay=hooks.replay_seconds)
         if readiness is not None:
             self.phases["post"] = post
         return _Outcome(probe.loaded_params, reads.kept_bytes, ckpt.reader.name, summary,
-                        {**reads.paths(), "exchange": exchanged}, stats)
+                        {**reads.paths(hooks.strategies), "exchange": exchanged}, stats)
 
-    def through_model(self, ckpt: FastCheckpoint) -> tuple[set[str] | None, LoadStats]:
+    def through_model(self, ckpt: FastCheckpoint) -> tuple[frozenset[str] | None, LoadStats]:
         return _load_through_model(self.model, ckpt, self.load_weights, self.decisions)
 
 
@@ -221,7 +174,7 @@ class _Load:
 class _Outcome:
     """What reading did, for the rank's report."""
 
-    loaded: set[str] | None
+    loaded: frozenset[str] | None
     kept: int | None
     backend: policy.Backend
     summary: str
@@ -230,20 +183,33 @@ class _Outcome:
 
 
 class _RankHooks(ReadHooks):
-    """A planned rank's read: its slabs replayed, its row exchange fed and swapped per layer, its
-    listener told which parameters are complete."""
+    """A planned rank's read: its plan checked, its slabs replayed, its row exchange (``swap``, set
+    once the group agreed) fed and swapped per layer, its listener told which parameters are
+    complete; the time the checks and replays take is counted."""
 
-    def __init__(self, reads: RankReads, swap: exchange.RowExchange | None, readiness: _Readiness | None) -> None:
-        self.reads, self.swap, self.readiness = reads, swap, readiness
+    def __init__(self, reads: RankReads, readiness: _Readiness | None) -> None:
+        self.reads, self.readiness = reads, readiness
+        self.swap: exchange.RowExchange | None = None
+        #: The read strategies of the checked plan (``Plan.strategy_counts``).
+        self.strategies: dict[str, int] = {}
+        self.check_seconds = self.replay_seconds = 0.0
 
     def check(self, plan: Plan) -> None:
-        self.reads.check(plan)
+        start = time.perf_counter()
+        try:
+            self.strategies = plan.strategy_counts()
+            self.reads.check(plan)
+        finally:
+            self.check_seconds += time.perf_counter() - start
         if self.readiness is not None:
             self.readiness.planned(plan)
 
     def on_tensor(self, request: TensorRequest, tensor: torch.Tensor) -> None:
-        if self.swap is None or not self.swap.take(request, tensor):
-            self.reads.replay(request.result_key, tensor)
+        if self.swap is not None and self.swap.take(request, tensor):
+            return
+        start = time.perf_counter()
+        self.reads.replay(request.result_key, tensor)
+        self.replay_seconds += time.perf_counter() - start
 
     def on_layer_end(self, group: LayerGroup) -> None:
         if self.swap is not None:
@@ -253,19 +219,19 @@ class _RankHooks(ReadHooks):
 
 
 def _load_planned(ckpt: FastCheckpoint, reads: RankReads, sharing: _Sharing,
-                  readiness: _Readiness | None) -> tuple[str, int, LoadStats]:
+                  hooks: _RankHooks) -> tuple[str, int, LoadStats]:
     """Read and replay; the summary, how many tensors the row exchange delivered, and what the read did."""
     # No huge-page advice on the parameters: in an engine's worker whose memory is bound to a NUMA
     # node it made the load several times slower, though it speeds filling fresh memory in a plain
     # process (docs/benchmarks.md, Measurements behind the code). (The host reader does fault in
     # parameter pages it is about to overwrite, see readers.memory: that changes no policy.)
     targets, slabs = reads.targets, list(reads.slabs)
-    swap = sharing.agree(targets)
+    swap = hooks.swap = sharing.agree(targets)
     if swap is not None:
         targets = {req: dest for req, dest in targets.items() if not swap.owns(req)}
         slabs += swap.row_requests()
     try:
-        stats = ckpt.read_into(targets, extra=slabs, hooks=_RankHooks(reads, swap, readiness))
+        stats = ckpt.read_into(targets, extra=slabs, hooks=hooks)
     except BaseException as exc:
         if swap is not None:
             try:
@@ -285,7 +251,7 @@ def _load_planned(ckpt: FastCheckpoint, reads: RankReads, sharing: _Sharing,
 
 
 def _load_through_model(model: nn.Module, ckpt: FastCheckpoint, load_weights: LoadWeights,
-                        decisions: policy.DecisionLog) -> tuple[set[str] | None, LoadStats]:
+                        decisions: policy.DecisionLog) -> tuple[frozenset[str] | None, LoadStats]:
     current: list[str] = []
     stream = ckpt.iter_tensors()
 
@@ -310,7 +276,7 @@ def _load_through_model(model: nn.Module, ckpt: FastCheckpoint, load_weights: Lo
         file = ckpt.info(name).file if name else ckpt.checkpoint.source
         raise CheckpointError(f"the model's load_weights could not load this checkpoint tensor: "
                               f"{type(exc).__name__}: {exc}", file=file, tensor=name) from exc
-    return (set(loaded) if loaded is not None else None), stream.stats
+    return (frozenset(loaded) if loaded is not None else None), stream.stats
 
 
 class _Readiness:
@@ -318,7 +284,7 @@ class _Readiness:
     once every planned read of every checkpoint tensor that writes it has been delivered (replays
     and exchanged rows included)."""
 
-    def __init__(self, placements: Mapping[str, list[Placement]], listener: ParameterListener) -> None:
+    def __init__(self, placements: Mapping[str, Sequence[Placement]], listener: ParameterListener) -> None:
         self.listener = listener
         #: checkpoint tensor -> the parameters it writes
         self.writes = {name: sorted({p.parameter for p in ps}) for name, ps in placements.items()}
