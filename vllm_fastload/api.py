@@ -189,12 +189,6 @@ class FastCheckpoint:
         return _weighted_cached_share(spans)
 
     @property
-    def on_network_filesystem(self) -> bool:
-        """Whether the (local) files are on a network filesystem (``sources.fstype``)."""
-        return not self.checkpoint.is_remote and any(
-            fstype.is_network(fstype.filesystem_type(path)) for path in self.checkpoint.files)
-
-    @property
     def strided_min_skip(self) -> int:
         """The ``strided_min_skip`` plans use: configured, else by the source kind
         (``policy.strided_min_skip``)."""

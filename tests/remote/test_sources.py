@@ -432,7 +432,7 @@ def test_failed_read_waits_for_every_request(s3) -> None:
     store, root = open_store(s3.uri(), {**FAST, "request_size": 4096})
     src = store.open(root.child(SHARD1).key)
     s3.proxy.inject("status", status=403, code="AccessDenied", times=1)
-    future = src.submit_into(0, memoryview(bytearray(65536)), tensor="t")
+    future = src.submit_ranges_into([(0, memoryview(bytearray(65536)))], tensor="t")
     with pytest.raises(AccessDeniedError):
         future.result(BOUND_S)
     n = len(s3.proxy.records)

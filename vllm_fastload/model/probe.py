@@ -244,11 +244,6 @@ class _Region:
                    for (lo_a, hi_a), (lo_b, hi_b) in zip(self.box.ranges, other.box.ranges))
 
 
-def _overlap(a: torch.Tensor, b: torch.Tensor, origin: int) -> bool:
-    """Whether two views of one parameter (starting at ``origin``) share an element."""
-    return _Region.of(a, origin).overlaps(_Region.of(b, origin))
-
-
 #: Torch functions whose every output element is a copy of one input element chosen by shapes and
 #: arguments only, never by values: their results are still "bytes from one tensor".
 _MOVES = frozenset({

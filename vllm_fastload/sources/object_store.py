@@ -389,17 +389,13 @@ class ObjectSource:
         return self.store.run(self._get(offset, offset + length, tensor), uri=self.uri)[0]
 
     def read_into(self, offset: int, view: memoryview, *, tensor: str | None = None) -> None:
-        """Fill ``view`` with the bytes from ``offset``: ``submit_into`` and wait."""
+        """Fill ``view`` with the bytes from ``offset`` (in ``request_size`` GETs) and wait."""
         view = _writable(view)
         self._check_bounds(offset, len(view), tensor)
         requests = ceil_div(len(view), int(self.store.config.request_size)) or 1
         rounds = ceil_div(requests, self.store.in_flight)
         self.store.run(self._fill(coalesce([(offset, view)], 0, int(self.store.config.request_size)), tensor),
                        uri=self.uri, rounds=rounds)
-
-    def submit_into(self, offset: int, view: memoryview, *, tensor: str | None = None) -> Future[None]:
-        """Start filling ``view`` from ``offset`` (split into ``request_size`` GETs)."""
-        return self.submit_ranges_into([(offset, view)], tensor=tensor)
 
     def submit_ranges_into(self, ranges: Sequence[tuple[int, memoryview]], *,
                            tensor: str | None = None) -> Future[None]:
