@@ -22,6 +22,7 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -67,6 +68,19 @@ def allocate_host(nbytes: int, hugepages: bool) -> torch.Tensor:
     return torch.frombuffer(region, dtype=torch.uint8)
 
 
+@dataclass(frozen=True)
+class _OpenFile:
+    """A descriptor of an open file, and the file's inode: a descriptor number that is reused for
+    another file never finds what was kept for the old one."""
+
+    fd: int
+    inode: int
+
+    @classmethod
+    def of(cls, fd: int) -> _OpenFile:
+        return cls(fd, os.fstat(fd).st_ino)
+
+
 class HostReader(Reader):
     name = "host"
     #: Its plans are exact (``policy.reader_strided_min_skip``): see ``read_rows``.
@@ -78,12 +92,10 @@ class HostReader(Reader):
         self.bounce_size = _bounce_size(config)
         self.decisions.note("O_DIRECT buffer per thread", self.bounce_size, direct_io=config.direct_io,
                             memory_budget=int(config.memory_budget), threads=config.threads)
-        #: (buffered descriptor, inode) -> its O_DIRECT twin, or None where O_DIRECT fails. The
-        #: inode is in the key so that a descriptor number reused for another file never finds
-        #: the old file's O_DIRECT descriptor.
-        self._direct: dict[tuple[int, int], DirectFile | None] = {}
-        #: Buffered descriptors whose read-ahead is off (see ``_no_readahead``), keyed like ``_direct``.
-        self._random: set[tuple[int, int]] = set()
+        #: A buffered descriptor's O_DIRECT twin, or None where O_DIRECT fails.
+        self._direct: dict[_OpenFile, DirectFile | None] = {}
+        #: Buffered descriptors whose read-ahead is off (see ``_no_readahead``).
+        self._random: set[_OpenFile] = set()
 
     @property
     def staging_bytes(self) -> int:
@@ -162,7 +174,7 @@ class HostReader(Reader):
         """Turns off the kernel's read-ahead on the buffered descriptor (``POSIX_FADV_RANDOM``)
         once O_DIRECT carries the contiguous reads: it is left with row slices, whose pages are
         advised exactly, and read-ahead on a miss would fetch the other ranks' bytes too."""
-        key = (fd, os.fstat(fd).st_ino)
+        key = _OpenFile.of(fd)
         if key in self._random:
             return
         self._random.add(key)
@@ -174,7 +186,7 @@ class HostReader(Reader):
     def _direct_fd(self, fd: int) -> DirectFile | None:
         if not self.bounce_size:
             return None
-        key = (fd, os.fstat(fd).st_ino)
+        key = _OpenFile.of(fd)
         if key not in self._direct:
             self._direct[key] = direct.open_direct(fd)
         return self._direct[key]
@@ -321,7 +333,7 @@ def advise(fd: int, calls: Sequence[_Probed]) -> None:
     ranges = _ranges(calls)
     lo, hi = _span(ranges)
     needed = sum(length for _, length in ranges)
-    spans = [(lo, hi - lo)] if policy.advise_whole_span(span=hi - lo, needed=needed) else ranges
+    spans = [ByteRange(lo, hi - lo)] if policy.advise_whole_span(span=hi - lo, needed=needed) else ranges
     for offset, length in spans:
         try:
             os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)

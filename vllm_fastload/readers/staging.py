@@ -26,6 +26,7 @@ from vllm_fastload.config import FastloadConfig
 from vllm_fastload.format import SafetensorsFile
 from vllm_fastload.readers.base import Call, Reader, RowsCall
 from vllm_fastload.readers.host import advise_rows, cached_calls, read_rows
+from vllm_fastload.sources.base import RangeInto
 from vllm_fastload.sources.local import pread_into
 from vllm_fastload.tensors import host_bytes
 
@@ -184,7 +185,7 @@ def fill_slot(sf: SafetensorsFile, slot: memoryview, batch: Sequence[Call],
     submission to its source, rows as one range per row (neighbouring ranges share a GET).
     """
     placed: list[Staged] = []
-    ranges: list[tuple[int, memoryview]] = []
+    ranges: list[RangeInto] = []
     used = 0
     call: Call | None = None
     dest: torch.Tensor | None = None
@@ -196,7 +197,7 @@ def fill_slot(sf: SafetensorsFile, slot: memoryview, batch: Sequence[Call],
                 length = rows.seg * rows.count
                 view = slot[used:used + length]
                 if sf.fd is None:
-                    ranges += [(offset, view[i * seg:(i + 1) * seg])
+                    ranges += [RangeInto(offset, view[i * seg:(i + 1) * seg])
                                for i, (offset, seg) in enumerate(rows.ranges())]
                 else:
                     read_rows(sf.fd, sf.path, rows, view, cached)
@@ -204,7 +205,7 @@ def fill_slot(sf: SafetensorsFile, slot: memoryview, batch: Sequence[Call],
                 offset, length, dest = call
                 view = slot[used:used + length]
                 if sf.fd is None:
-                    ranges.append((offset, view))
+                    ranges.append(RangeInto(offset, view))
                 else:
                     for done in range(0, length, read_size):
                         pread_into(sf.fd, sf.path, offset + done, view[done:done + read_size])

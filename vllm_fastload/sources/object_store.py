@@ -54,6 +54,7 @@ from vllm_fastload.errors import (
     StoreUnavailableError,
 )
 from vllm_fastload.sizes import ceil_div
+from vllm_fastload.sources.base import RangeInto
 from vllm_fastload.sources.store_errors import client_facts, known_secrets, map_error, scrub
 from vllm_fastload.sources.uri import ObjectURI
 
@@ -394,17 +395,17 @@ class ObjectSource:
         self._check_bounds(offset, len(view), tensor)
         requests = ceil_div(len(view), int(self.store.config.request_size)) or 1
         rounds = ceil_div(requests, self.store.in_flight)
-        self.store.run(self._fill(coalesce([(offset, view)], 0, int(self.store.config.request_size)), tensor),
+        self.store.run(self._fill(coalesce([RangeInto(offset, view)], 0, int(self.store.config.request_size)), tensor),
                        uri=self.uri, rounds=rounds)
 
-    def submit_ranges_into(self, ranges: Sequence[tuple[int, memoryview]], *,
+    def submit_ranges_into(self, ranges: Sequence[RangeInto], *,
                            tensor: str | None = None) -> Future[None]:
-        """Start filling each ``(offset, view)``; ranges closer than ``coalesce_gap`` share a GET.
+        """Start filling each range; ranges closer than ``coalesce_gap`` share a GET.
 
         The future completes once every request has finished (also after one failed, so that
         no request still writes into a buffer its caller gave up), then raises the first error.
         """
-        views = [(offset, _writable(view)) for offset, view in ranges]
+        views = [RangeInto(offset, _writable(view)) for offset, view in ranges]
         for offset, view in views:
             self._check_bounds(offset, len(view), tensor)
         cfg = self.store.config
@@ -465,16 +466,16 @@ class Request:
 
     start: int
     end: int
-    parts: list[tuple[int, memoryview]]
+    parts: list[RangeInto]
 
 
-def coalesce(ranges: Sequence[tuple[int, memoryview]], gap: int, request_size: int) -> list[Request]:
+def coalesce(ranges: Sequence[RangeInto], gap: int, request_size: int) -> list[Request]:
     """GETs for ``ranges``: each range split at ``request_size``, then neighbours closer than ``gap``
     merged while the GET stays within ``request_size`` (a byte in a gap costs less than a request)."""
-    pieces: list[tuple[int, memoryview]] = []
+    pieces: list[RangeInto] = []
     for offset, view in ranges:
         for done in range(0, len(view), request_size):
-            pieces.append((offset + done, view[done:done + request_size]))
+            pieces.append(RangeInto(offset + done, view[done:done + request_size]))
     pieces.sort(key=lambda p: p[0])
     requests: list[Request] = []
     for offset, view in pieces:
@@ -483,7 +484,7 @@ def coalesce(ranges: Sequence[tuple[int, memoryview]], gap: int, request_size: i
         if last is not None and offset - last.end <= gap and offset >= last.start \
                 and max(end, last.end) - last.start <= request_size:
             last.end = max(last.end, end)
-            last.parts.append((offset, view))
+            last.parts.append(RangeInto(offset, view))
         else:
-            requests.append(Request(offset, end, [(offset, view)]))
+            requests.append(Request(offset, end, [RangeInto(offset, view)]))
     return requests
