@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -179,13 +180,13 @@ class FastCheckpoint:
         ``mincore`` not answering truthfully)."""
         if self.checkpoint.is_remote:
             return None
-        spans: list[tuple[int | None, int, int, int]]
+        spans: list[_Sampled]
         if names is None:
-            spans = [(f.fd, 0, os.fstat(f.fd).st_size, policy.FILE_PAGE_SAMPLES)
+            spans = [_Sampled(f.fd, 0, os.fstat(f.fd).st_size, policy.FILE_PAGE_SAMPLES)
                      for f in self.checkpoint.files.values() if f.fd is not None]
         else:
             infos = [self.checkpoint.info(name) for name in names]
-            spans = [(self.checkpoint.files[i.file].fd, i.start, i.end, policy.PAGE_SAMPLES) for i in infos]
+            spans = [_Sampled(self.checkpoint.files[i.file].fd, i.start, i.end, policy.PAGE_SAMPLES) for i in infos]
         return _weighted_cached_share(spans)
 
     @property
@@ -380,16 +381,27 @@ class FastCheckpoint:
                 progress.close()
 
 
-def _weighted_cached_share(spans: Iterable[tuple[int | None, int, int, int]]) -> float | None:
-    """The page cache's share of the bytes of ``(descriptor, start, end, samples)`` spans, each
-    weighted by its length; None where a span's share cannot be told."""
+@dataclass(frozen=True)
+class _Sampled:
+    """Bytes ``[start, end)`` of the file open as ``fd`` (None: an object), probed at ``samples`` pages."""
+
+    fd: int | None
+    start: int
+    end: int
+    samples: int
+
+
+def _weighted_cached_share(spans: Iterable[_Sampled]) -> float | None:
+    """The page cache's share of the bytes of the spans, each weighted by its length; None where a
+    span's share cannot be told."""
     found = weight = 0.0
-    for fd, start, end, samples in spans:
-        share = None if fd is None else pagecache.cached_share(fd, start, end, samples=samples)
+    for span in spans:
+        share = None if span.fd is None else pagecache.cached_share(span.fd, span.start, span.end,
+                                                                     samples=span.samples)
         if share is None:
             return None
-        found += share * (end - start)
-        weight += end - start
+        found += share * (span.end - span.start)
+        weight += span.end - span.start
     return found / weight if weight else None
 
 
