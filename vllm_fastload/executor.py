@@ -1,4 +1,4 @@
-"""Executes a plan: bounded read-ahead, buffers from the pool, results in layer order, events.
+"""Executes a plan: a bounded number of chunks in flight, buffers from the pool, results in layer order, events.
 
 Each chunk travels as a ``Delivery`` of its kind, all with one contract: ``start`` its reads,
 ``wait`` for them, ``deliver`` its tensors, and hand back what it holds (``held``, ``drain``):
@@ -7,7 +7,7 @@ Each chunk travels as a ``Delivery`` of its kind, all with one contract: ``start
 - ``BufferedDelivery``: the reads land in a pool buffer, the tensors are views of it;
 - ``MappedDelivery``: no reads; the tensors are views of a private mapping of the file.
 
-``PlanExecutor.run`` is the loop: the next chunk from the read-ahead (``ReadAhead``) -> check the
+``PlanExecutor.run`` is the loop: the next chunk in flight (``ChunksInFlight``) -> check the
 file did not change -> yield its tensors -> hand the previous chunk's buffer back -> when a layer
 group's last chunk was consumed, fire its event.
 """
@@ -255,10 +255,10 @@ def _mapped(reader: Reader, sf: SafetensorsFile, chunk: Chunk) -> FileWindow | N
     return reader.mapped(sf, ranges)
 
 
-class ReadAhead:
+class ChunksInFlight:
     """The chunks submitted ahead of the one being delivered: ``policy.CHUNKS_IN_FLIGHT``, and
     beyond that chunks read into the caller's own tensors as far ahead as the reader asks for
-    (``Reader.direct_read_ahead``)."""
+    (``Reader.direct_in_flight``)."""
 
     def __init__(self, executor: PlanExecutor, chunks: Sequence[Chunk]) -> None:
         self.executor = executor
@@ -288,7 +288,7 @@ class ReadAhead:
     def _room_for(self, chunk: Chunk) -> bool:
         if len(self.in_flight) < policy.CHUNKS_IN_FLIGHT:
             return True
-        ahead_limit = self.executor.reader.direct_read_ahead
+        ahead_limit = self.executor.reader.direct_in_flight
         if ahead_limit <= 0 or not chunk.direct or not all(item.chunk.direct for item in self.in_flight):
             return False
         ahead = sum(_direct_bytes(item.chunk) for item in self.in_flight)
@@ -364,7 +364,7 @@ class PlanExecutor:
         "still referenced" be told apart from "kept on purpose". (The pool parks a buffer that is
         still referenced and re-checks it later, so being early is safe too.)
         """
-        ahead = ReadAhead(self, plan.chunks)
+        ahead = ChunksInFlight(self, plan.chunks)
         previous: Buffer | None = None
         current: Delivery | None = None
         handed_over_before = self.pool.handed_over

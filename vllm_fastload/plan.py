@@ -216,7 +216,7 @@ class ChunkTensor:
 
 @dataclass(frozen=True)
 class Chunk:
-    """An aggregated read from one file: the unit of buffering and of read-ahead."""
+    """An aggregated read from one file: the unit of buffering and of reads in flight."""
 
     file: str
     ops: tuple[ReadOp, ...]

@@ -35,7 +35,7 @@ BackendSetting = Literal["auto", "host", "cuda", "kvikio"]
 MIN_THREADS = 4
 #: Most reader threads by default: more threads fault fresh memory in at once and contend.
 MAX_THREADS = 16
-#: Chunks read ahead of the one being delivered: each needs a buffer of fresh memory, and this
+#: Chunks in flight ahead of the one being delivered: each needs a buffer of fresh memory, and this
 #: many already keep every thread busy (each chunk is split into ``read_size`` pieces).
 CHUNKS_IN_FLIGHT = 3
 #: Buffers the executor holds at once: the chunks in flight, the one being delivered, and the one
@@ -248,7 +248,7 @@ def staging_slots(*, memory_budget: int, read_size: int, threads: int) -> tuple[
     return slot_size, max(1, min(threads, share // slot_size))
 
 
-def staging_read_ahead(*, threads: int, slot_size: int) -> int:
+def staging_in_flight(*, threads: int, slot_size: int) -> int:
     """Bytes of reads into the caller's own tensors worth queueing beyond ``CHUNKS_IN_FLIGHT``
     for a staged reader: ``SLOTS_AHEAD_PER_THREAD`` slots per thread."""
     return SLOTS_AHEAD_PER_THREAD * threads * slot_size
@@ -418,7 +418,7 @@ class EarlyReads(str, enum.Enum):
     """Whether a checkpoint is read into the page cache while the engine starts."""
 
     READ = "read"
-    #: An object store: nothing on this node's disks to read ahead.
+    #: An object store: nothing on this node's disks to read early.
     REMOTE = "not read: an object store"
     #: Neither a directory nor a Hugging Face id (a single file, or a path that is not there).
     NOT_A_CHECKPOINT = "not read: neither a directory nor a Hugging Face id"

@@ -156,7 +156,7 @@ def test_bounce_size(direct_io, budget, threads, read_size, want) -> None:
 def test_staging_slots(budget, read_size, threads, want) -> None:
     assert policy.staging_slots(memory_budget=budget, read_size=read_size, threads=threads) == want
     slot, _ = want
-    assert policy.staging_read_ahead(threads=threads, slot_size=slot) == 2 * threads * slot
+    assert policy.staging_in_flight(threads=threads, slot_size=slot) == 2 * threads * slot
 
 
 @pytest.mark.parametrize("planned,gap,count,cached,want", [

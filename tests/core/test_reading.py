@@ -412,7 +412,7 @@ def test_reads_into_destinations_queue_as_far_ahead_as_the_reader_asks(tmp_path:
 
     tensors = {f"model.layers.{i}.w": random_tensor((1024,), torch.float32, i) for i in range(12)}
     save(tmp_path / "m.safetensors", tensors)
-    monkeypatch.setattr(host.HostReader, "direct_read_ahead", property(lambda self: ahead))
+    monkeypatch.setattr(host.HostReader, "direct_in_flight", property(lambda self: ahead))
     with open_ckpt(tmp_path, {"aggregate_size": 4096, "read_size": 4096, "threads": 2}) as ckpt:
         reader, depth, most = ckpt.reader, [0], [0]
         submit = reader.submit

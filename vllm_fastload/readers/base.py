@@ -107,7 +107,7 @@ class Reader(ABC):
         return 0
 
     @property
-    def direct_read_ahead(self) -> int:
+    def direct_in_flight(self) -> int:
         """Bytes of reads into the caller's own tensors worth queueing beyond the executor's
         ``policy.CHUNKS_IN_FLIGHT`` chunks (0: those keep this reader's threads busy)."""
         return 0

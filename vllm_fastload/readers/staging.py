@@ -33,7 +33,7 @@ from vllm_fastload.tensors import host_bytes
 
 class StagedReader(Reader):
     """A reader onto a CUDA device whose reads, or some of them, go through ``PinnedStaging``:
-    the device check, the staging's share of the budget and its read-ahead, device buffers."""
+    the device check, the staging's share of the budget and its reads in flight, device buffers."""
 
     reads_rows = True  # rows are packed into the slots
 
@@ -51,8 +51,8 @@ class StagedReader(Reader):
         return self.staging.staging_bytes
 
     @property
-    def direct_read_ahead(self) -> int:
-        return self.staging.read_ahead
+    def direct_in_flight(self) -> int:
+        return self.staging.in_flight
 
     def allocate(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
@@ -105,10 +105,10 @@ class PinnedStaging:
         return self.slots * self.slot_size
 
     @property
-    def read_ahead(self) -> int:
-        """Queued work beyond the executor's chunks in flight (``policy.staging_read_ahead``): a
+    def in_flight(self) -> int:
+        """Queued work beyond the executor's chunks in flight (``policy.staging_in_flight``): a
         few large chunks are few tasks for many threads."""
-        return policy.staging_read_ahead(threads=self.threads, slot_size=self.slot_size)
+        return policy.staging_in_flight(threads=self.threads, slot_size=self.slot_size)
 
     def start(self, reader: Reader, sf: SafetensorsFile, calls: Sequence[Call]) -> list[Future[None]]:
         """Start reading ``calls`` through the slots on ``reader``'s threads (rows advised to the
