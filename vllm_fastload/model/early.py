@@ -72,7 +72,7 @@ def start(engine: str, settings: Callable[[], Start]) -> None:
 
 
 def _start(start: Start, engine: str) -> None:
-    from vllm_fastload.sources.readahead import LoadMarks, available_memory, read_ahead
+    from vllm_fastload.sources.early_reads import LoadMarks, available_memory, start_reading
 
     path, local_ranks = start.path, start.local_ranks
     if os.environ.get(STARTED_ENV) == path or _is_rank() or local_ranks < 1:
@@ -88,7 +88,7 @@ def _start(start: Start, engine: str) -> None:
     reads = None
     try:
         limit = int(available_memory() * policy.EARLY_READS_MEMORY_SHARE)
-        reads = read_ahead(files, limit=limit, hold=marks, hold_s=HOLD_S)
+        reads = start_reading(files, limit=limit, hold=marks, hold_s=HOLD_S)
     finally:
         if reads is None:
             marks.remove()
@@ -205,7 +205,7 @@ def load_ends() -> None:
 def _mark(*, ended: bool) -> None:
     directory = os.environ.get(MARKS_ENV)
     if directory:
-        from vllm_fastload.sources.readahead import mark_load
+        from vllm_fastload.sources.early_reads import mark_load
 
         mark_load(directory, ended=ended)
 

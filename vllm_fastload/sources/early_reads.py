@@ -56,8 +56,8 @@ def available_memory() -> int:
     return available
 
 
-def read_ahead(paths: Sequence[str], *, limit: int, hold: LoadMarks | None = None,
-               hold_s: float = 0.0) -> EarlyReads | None:
+def start_reading(paths: Sequence[str], *, limit: int, hold: LoadMarks | None = None,
+                  hold_s: float = 0.0) -> ReadingProcess | None:
     """Start reading ``paths`` into the page cache in a process of its own, if together they fit
     in ``limit`` bytes; None (and nothing done) otherwise.
 
@@ -88,13 +88,13 @@ def read_ahead(paths: Sequence[str], *, limit: int, hold: LoadMarks | None = Non
             process.stdin.write(json.dumps(request).encode())
         except BrokenPipeError:
             pass  # it ended at once: its status is logged
-    reads = EarlyReads(process, hold)
+    reads = ReadingProcess(process, hold)
     reads.start()
     atexit.register(reads.end)
     return reads
 
 
-class EarlyReads(threading.Thread):
+class ReadingProcess(threading.Thread):
     """The reading process, seen from the process that started it: a daemon thread that logs what
     the process reports (through this process's logger) and ends when the process has ended."""
 
