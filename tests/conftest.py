@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.cpu_shm import remove_stale_cpu_shm
 from tests.vllm.conftest import Scenarios, make_checkpoints
-from vllm_fastload.tools.processes import remove_stale_cpu_shm
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -76,15 +76,14 @@ class CheckpointFiles:
 
     def read(self, filename: str | os.PathLike[str], name: str, dim: int | None = None, start: int = 0,
              length: int | None = None) -> torch.Tensor:
-        """The whole tensor, or ``[start, start + length)`` along ``dim``: only those bytes are read."""
+        """The whole tensor, or ``[start, start + length)`` along ``dim``: only those bytes are read,
+        into a tensor of the checkpoint's dtype."""
         info = self.info(filename, name)
-        before = self._core.last_stats
-        if dim is None:
-            tensor = self._core.get_tensor(info.name)
-        else:
-            tensor = self._core.get_slice(info.name, dim, start, length)
-        self._count(before)
-        return tensor
+        request = TensorRequest(info.name, dim, start, length)
+        shaped = plan_tensor(info, request, strided_min_skip=0)  # the result's shape (and the slice checked)
+        out = torch.empty(torch_shape(shaped), dtype=torch_dtype(shaped))
+        self._read({request: out})
+        return out
 
     def read_blocks(self, filename: str | os.PathLike[str], name: str, dim: int,
                     ranges: Sequence[tuple[int, int]]) -> torch.Tensor:
@@ -104,17 +103,14 @@ class CheckpointFiles:
             request = TensorRequest(info.name, dim, start, stop - start, key=f"{info.name}#block{i}")
             targets[request] = out.narrow(dim, pos, stop - start)
             pos += stop - start
-        before = self._core.last_stats
         if targets:
-            self._core._read_into(targets, quiet=True)
-        self._count(before)
+            self._read(targets)
         return out
 
-    def _count(self, before: object) -> None:
-        """Add the bytes the core really read (a call that read nothing leaves ``last_stats`` as it was)."""
-        stats = self._core.last_stats
-        if stats is not None and stats is not before:
-            self.bytes_read += stats.bytes_read
+    def _read(self, targets: dict[TensorRequest, torch.Tensor]) -> None:
+        """One plan read into ``targets``, its bytes counted; quietly (readiness is tracked per
+        FastWeights, see ``readiness``)."""
+        self.bytes_read += self._core.read_into(targets, layer_events=False).bytes_read
 
     def close(self) -> None:
         self._core.close()  # closes the checkpoint's files too; later reads say "is closed"

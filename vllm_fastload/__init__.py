@@ -1,12 +1,13 @@
 """vllm-fastload: fast, exact, per-rank checkpoint loading for vLLM, SGLang and TGI.
 
+``__all__`` is what a user of ``open()`` and ``read_into()`` and the author of an engine adapter
+need: the entry points, the records they hand out and take (all immutable), and the errors.
 Importing this package never imports vLLM or SGLang (their loaders live in
 ``vllm_fastload.vllm_plugin`` and ``vllm_fastload.sglang_plugin`` and are loaded by the engines
 through their plugin entry points).
 """
 
-from vllm_fastload.api import FastCheckpoint, open
-from vllm_fastload.checkpoint import Checkpoint
+from vllm_fastload.api import FastCheckpoint, ReadHooks, TensorStream, open
 from vllm_fastload.config import ConfigError, FastloadConfig
 from vllm_fastload.errors import (
     AccessDeniedError,
@@ -33,7 +34,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AccessDeniedError",
-    "Checkpoint",
     "CheckpointError",
     "ConfigError",
     "FastCheckpoint",
@@ -51,11 +51,13 @@ __all__ = [
     "PlanError",
     "PlannedTensor",
     "ReadError",
+    "ReadHooks",
     "StoreUnavailableError",
     "TensorInfo",
     "TensorMetadataError",
     "TensorNotFoundError",
     "TensorRequest",
+    "TensorStream",
     "TruncatedFileError",
     "open",
 ]

@@ -1,9 +1,14 @@
-"""The engine-free API, in safetensors' vocabulary: ``with vllm_fastload.open(path) as ckpt: ...``."""
+"""The public API, in safetensors' vocabulary: ``with vllm_fastload.open(path) as ckpt: ...``.
+
+Users read tensors (``get_tensor``, ``iter_tensors``, ``read_into``); an engine adapter loads a
+rank through ``read_into`` with its ``ReadHooks`` (docs/design.md, "Writing an engine adapter").
+"""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,6 +29,63 @@ from vllm_fastload.tensors import CASTABLE, cast, torch_dtype, torch_shape
 RequestLike = str | TensorRequest
 #: Destinations by request: tensor names, ``TensorRequest`` slices, or both.
 Targets = Mapping[str, torch.Tensor] | Mapping[TensorRequest, torch.Tensor] | Mapping[RequestLike, torch.Tensor]
+
+
+class ReadHooks:
+    """What an engine adapter does as its read goes (``FastCheckpoint.read_into(..., hooks=)``).
+
+    Override what you need; each default does nothing. They run on the thread that called
+    ``read_into``, in this order: ``check`` once, then per layer group ``on_tensor`` for each of its
+    ``extra`` requests and ``on_layer_end``, then the group's layer event. What a hook raises stops
+    the read, and ``read_into`` raises it.
+    """
+
+    def check(self, plan: Plan) -> None:
+        """The plan, before a byte is read (an adapter's own checks of what will be read)."""
+
+    def on_tensor(self, request: TensorRequest, tensor: torch.Tensor) -> None:
+        """The bytes of one of ``read_into``'s ``extra`` requests, as a view valid during the call
+        only (copy what you keep): for what the adapter places itself, such as a tensor the model
+        takes in slabs or transposed."""
+
+    def on_layer_end(self, group: LayerGroup) -> None:
+        """Every tensor of a layer group delivered, before its layer event fires (to finish its
+        parameters, e.g. the row exchange's swap of columns)."""
+
+
+_NO_HOOKS = ReadHooks()
+
+
+class TensorStream(Iterator[tuple[str, torch.Tensor]]):
+    """What ``iter_tensors`` returns: ``(key, tensor)`` pairs in layer order, and ``stats``, what
+    the read did (complete once the stream is exhausted). Nothing is planned or read before the
+    first pair is asked for."""
+
+    def __init__(self, ckpt: FastCheckpoint, names: Iterable[RequestLike] | None, dtype: torch.dtype | None) -> None:
+        self._ckpt, self._names, self._dtype = ckpt, names, dtype
+        self._executor: PlanExecutor | None = None
+        self._delivered: Generator[Delivered, None, None] | None = None
+
+    def __iter__(self) -> TensorStream:
+        return self
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        if self._delivered is None:
+            plan = self._ckpt.plan(self._names)
+            self._executor = self._ckpt._executor()
+            self._delivered = self._ckpt._execute(self._executor, plan)
+        delivered = next(self._delivered)
+        return delivered.planned.key, cast(delivered.tensor, self._dtype)
+
+    @property
+    def stats(self) -> LoadStats:
+        """What the read did so far."""
+        return LoadStats() if self._executor is None else self._executor.stats
+
+    def close(self) -> None:
+        """Stop early: reads in flight finish and their buffers go back (as a generator's ``close``)."""
+        if self._delivered is not None:
+            self._delivered.close()
 
 
 class FastCheckpoint:
@@ -64,7 +126,6 @@ class FastCheckpoint:
         self._decisions = policy.DecisionLog()
         self._reader: Reader | None = None
         self._pool: BufferPool | None = None
-        self.last_stats: LoadStats | None = None
 
     # -- context manager --------------------------------------------------------------------
     def __enter__(self) -> FastCheckpoint:
@@ -113,25 +174,20 @@ class FastCheckpoint:
         return self._reader
 
     def cached_share(self, names: Iterable[str] | None = None) -> float | None:
-        """The share of the named tensors' bytes in the page cache, from a sample of 16 pages per
-        tensor (no names: of the checkpoint's bytes, 64 pages per file); None where it cannot be
-        told (objects, or ``mincore`` not answering truthfully)."""
+        """The share of the named tensors' bytes in the page cache, from a sample of
+        ``policy.PAGE_SAMPLES`` pages per tensor (no names: of the checkpoint's bytes,
+        ``policy.FILE_PAGE_SAMPLES`` per file); None where it cannot be told (objects, or
+        ``mincore`` not answering truthfully)."""
         if self.checkpoint.is_remote:
             return None
-        spans: list[tuple[int | None, int, int, int]]
+        spans: list[_Sampled]
         if names is None:
-            spans = [(f.fd, 0, os.fstat(f.fd).st_size, 64) for f in self.checkpoint.files.values()
-                     if f.fd is not None]
+            spans = [_Sampled(f.fd, 0, os.fstat(f.fd).st_size, policy.FILE_PAGE_SAMPLES)
+                     for f in self.checkpoint.files.values() if f.fd is not None]
         else:
             infos = [self.checkpoint.info(name) for name in names]
-            spans = [(self.checkpoint.files[i.file].fd, i.start, i.end, 16) for i in infos]
+            spans = [_Sampled(self.checkpoint.files[i.file].fd, i.start, i.end, policy.PAGE_SAMPLES) for i in infos]
         return _weighted_cached_share(spans)
-
-    @property
-    def on_network_filesystem(self) -> bool:
-        """Whether the (local) files are on a network filesystem (``sources.fstype``)."""
-        return not self.checkpoint.is_remote and any(
-            fstype.is_network(fstype.filesystem_type(path)) for path in self.checkpoint.files)
 
     @property
     def strided_min_skip(self) -> int:
@@ -140,8 +196,7 @@ class FastCheckpoint:
         configured = None if self.config.strided_min_skip is None else int(self.config.strided_min_skip)
         remote = self.checkpoint.is_remote
         value = policy.strided_min_skip(configured=configured, remote=remote,
-                                        coalesce_gap=int(self.config.remote.coalesce_gap),
-                                        reader_default=0 if remote else self.reader.default_strided_min_skip)
+                                        coalesce_gap=int(self.config.remote.coalesce_gap), backend=self.reader.name)
         self._decisions.note("strided_min_skip", value, configured=configured, remote=remote)
         return value
 
@@ -194,36 +249,41 @@ class FastCheckpoint:
         return self._read_owned(TensorRequest(name, dim, start, length), dtype)
 
     def iter_tensors(self, names: Iterable[RequestLike] | None = None, *,
-                     dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield ``(key, tensor)`` in layer order through aggregated reads; fires ``on_layer_ready``.
+                     dtype: torch.dtype | None = None) -> TensorStream:
+        """``(key, tensor)`` in layer order through aggregated reads; fires ``on_layer_ready``.
 
         Args:
             names: tensor names or ``TensorRequest`` slices; None: every tensor.
             dtype: convert floating point tensors to this dtype.
 
-        Yields:
-            The request's key and a view valid for as long as the caller holds it (see the
-            class docstring).
+        Returns:
+            An iterator of the request's key and a view valid for as long as the caller holds it
+            (see the class docstring); its ``stats`` say what the read did.
 
         Example:
             >>> for name, tensor in ckpt.iter_tensors():
             ...     model.state_dict()[name].copy_(tensor)
         """
-        plan = self.plan(names)
-        for planned, tensor in self._execute(plan):
-            yield planned.key, cast(tensor, dtype)
+        return TensorStream(self, names, dtype)
 
-    def read_into(self, targets: Targets) -> LoadStats:
-        """Read each request straight into the caller's tensor.
+    def read_into(self, targets: Targets, *, extra: Iterable[RequestLike] = (), hooks: ReadHooks | None = None,
+                  layer_events: bool = True) -> LoadStats:
+        """Read each request straight into the caller's tensor, in one pass in layer order.
 
         Contiguous destinations on the reader's device with the checkpoint's dtype receive the
         bytes directly (no intermediate copy); others are filled from a read buffer with
         ``copy_`` (which also converts the dtype, on the destination's device). Layer events fire
-        as in ``iter_tensors``.
+        as in ``iter_tensors``. This is also how an engine adapter loads a rank: its parameters'
+        regions as ``targets``, what it places itself as ``extra``, and ``hooks``.
 
         Args:
             targets: request (a tensor name or a ``TensorRequest``) -> a tensor of the request's
                 shape, with its dtype or one it converts to (float16, bfloat16, float32, float64).
+            extra: requests read in the same pass and handed to ``hooks.on_tensor``, not stored.
+            hooks: what runs as the read goes (``ReadHooks``: a check of the plan, per tensor of
+                ``extra``, per layer group).
+            layer_events: False: no layer events and no progress bar, for callers that read
+                piecemeal and track readiness themselves.
 
         Returns:
             What the read did (bytes, tensors, chunks).
@@ -238,21 +298,7 @@ class FastCheckpoint:
             >>> ckpt.read_into({"model.layers.0.mlp.down_proj.weight": w}).bytes_read
             33554432
         """
-        return self._read_into(targets)
-
-    def _read_into(self, targets: Targets, *, extra: Iterable[RequestLike] = (),
-                   on_tensor: Callable[[str, torch.Tensor], object] | None = None,
-                   on_layer_end: Callable[[LayerGroup], object] | None = None,
-                   check: Callable[[Plan], object] | None = None, quiet: bool = False) -> LoadStats:
-        """``read_into`` with the hooks an engine adapter needs (the vLLM loader, TGI's patch).
-
-        Requests in ``extra`` are read in the same pass and handed to ``on_tensor(key, tensor)`` as
-        views (valid during the call). ``on_layer_end(group)`` runs once a layer's tensors are all
-        delivered, before its layer event (e.g. to finish filling its parameters, see
-        ``exchange``). ``check(plan)`` runs on the plan before anything is read; what it raises
-        stops the read. ``quiet``: no layer events and no bar (for callers that read piecemeal and
-        track readiness themselves).
-        """
+        hooks = _NO_HOOKS if hooks is None else hooks
         requests: list[TensorRequest] = []
         by_key: dict[str, torch.Tensor] = {}
         direct: dict[str, torch.Tensor] = {}
@@ -266,18 +312,18 @@ class FastCheckpoint:
                 direct[req.result_key] = dest
         requests += [TensorRequest(r) if isinstance(r, str) else r for r in extra]
         plan = self.plan(requests, dests=direct)
-        if check is not None:
-            check(plan)
-        for planned, tensor in self._execute(plan, quiet=quiet, on_layer_end=on_layer_end):
+        hooks.check(plan)
+        executor = self._executor()
+        for delivered in self._execute(executor, plan, layer_events=layer_events, on_layer_end=hooks.on_layer_end):
+            planned = delivered.planned
             if planned.dest is not None:
                 continue
             target = by_key.get(planned.key)
             if target is not None:
-                target.copy_(tensor)
-            elif on_tensor is not None:
-                on_tensor(planned.key, tensor)
-        assert self.last_stats is not None  # set when the execution ends
-        return self.last_stats
+                target.copy_(delivered.tensor)
+            else:
+                hooks.on_tensor(planned.request, delivered.tensor)
+        return executor.stats
 
     # -- internals --------------------------------------------------------------------------
     def _read_owned(self, request: TensorRequest, dtype: torch.dtype | None) -> torch.Tensor:
@@ -291,9 +337,9 @@ class FastCheckpoint:
             plan = build_plan(self.checkpoint, [request], aggregate_size=int(self.config.aggregate_size),
                               strided_min_skip=self.strided_min_skip,
                               dests={request.result_key: out} if direct else None)
-            for _, tensor in self._execute(plan, quiet=True):
+            for delivered in self._execute(self._executor(), plan, layer_events=False):
                 if not direct:
-                    out.copy_(tensor)
+                    out.copy_(delivered.tensor)
         return cast(out, dtype)
 
     def _give_up_reader(self) -> None:
@@ -327,13 +373,15 @@ class FastCheckpoint:
             self._pool = BufferPool(reader.allocate, budget, min_size=int(self.config.aggregate_size))
         return self._pool
 
-    def _execute(self, plan: Plan, *, quiet: bool = False,
-                 on_layer_end: Callable[[LayerGroup], object] | None = None) -> Iterator[Delivered]:
-        """Run a plan; ``quiet`` (single-tensor reads) skips the bar and the layer callbacks."""
-        progress = None if quiet else LoadProgress(
+    def _executor(self) -> PlanExecutor:
+        return PlanExecutor(self.checkpoint, self.reader, self._pool_for(), self.config)
+
+    def _execute(self, executor: PlanExecutor, plan: Plan, *, layer_events: bool = True,
+                 on_layer_end: Callable[[LayerGroup], object] | None = None) -> Generator[Delivered, None, None]:
+        """Run a plan; without ``layer_events`` (single-tensor reads) no bar and no layer callbacks."""
+        progress = None if not layer_events else LoadProgress(
             total_bytes=plan.read_bytes, total_layers=len(plan.groups), callbacks=self.config.on_layer_ready,
             show_bar=self.show_progress, log_layers=self.config.log_layers)
-        executor = PlanExecutor(self.checkpoint, self.reader, self._pool_for(), self.config)
         try:
             yield from executor.run(plan, progress, on_layer_end)
         except StalledReadError:
@@ -342,19 +390,29 @@ class FastCheckpoint:
         finally:
             if progress is not None:
                 progress.close()
-            self.last_stats = executor.stats
 
 
-def _weighted_cached_share(spans: Iterable[tuple[int | None, int, int, int]]) -> float | None:
-    """The page cache's share of the bytes of ``(descriptor, start, end, samples)`` spans, each
-    weighted by its length; None where a span's share cannot be told."""
+@dataclass(frozen=True)
+class _Sampled:
+    """Bytes ``[start, end)`` of the file open as ``fd`` (None: an object), probed at ``samples`` pages."""
+
+    fd: int | None
+    start: int
+    end: int
+    samples: int
+
+
+def _weighted_cached_share(spans: Iterable[_Sampled]) -> float | None:
+    """The page cache's share of the bytes of the spans, each weighted by its length; None where a
+    span's share cannot be told."""
     found = weight = 0.0
-    for fd, start, end, samples in spans:
-        share = None if fd is None else pagecache.cached_share(fd, start, end, samples=samples)
+    for span in spans:
+        share = None if span.fd is None else pagecache.cached_share(span.fd, span.start, span.end,
+                                                                     samples=span.samples)
         if share is None:
             return None
-        found += share * (end - start)
-        weight += end - start
+        found += share * (span.end - span.start)
+        weight += span.end - span.start
     return found / weight if weight else None
 
 

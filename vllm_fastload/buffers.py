@@ -18,13 +18,12 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_fastload import policy
 from vllm_fastload.sizes import round_up
 
 ALLOC_GRANULE = 2 << 20
 #: Rounding used instead of ALLOC_GRANULE when the budget is too small for such granules.
 SMALL_GRANULE = 4096
-#: Buffers the executor holds at once (chunks in flight, the one being delivered, the previous).
-BUFFERS_IN_USE = 5
 
 
 def storage_references(tensor: torch.Tensor) -> int:
@@ -63,7 +62,7 @@ class BufferPool:
         chunk up to a 2 MiB granule in a 2 MiB budget would leave room for one buffer only.
         """
         size = round_up(nbytes, ALLOC_GRANULE)
-        return size if size * BUFFERS_IN_USE <= self.budget else round_up(nbytes, SMALL_GRANULE)
+        return size if size * policy.BUFFERS_IN_USE <= self.budget else round_up(nbytes, SMALL_GRANULE)
 
     def _reclaim(self) -> None:
         """Move parked buffers whose views are all gone back to the free list (lock held)."""

@@ -95,12 +95,12 @@ class Checkpoint:
     def _discover_remote(cls, uri: str, remote: RemoteConfig | Mapping[str, Any] | None,
                          memory_budget: int | None) -> Checkpoint:
         """Objects found by the same rules as a directory; all headers fetched concurrently."""
-        from vllm_fastload.sources import object_store  # obstore loads only for a URI
+        from vllm_fastload.sources import object_store, remote_checkpoint  # obstore loads only for a URI
 
         store, root = object_store.open_store(uri, dict(remote) if isinstance(remote, Mapping) else remote,
                                               memory_budget=memory_budget)
-        layout = object_store.discover(store, root)
-        ckpt = cls(object_store.read_safetensors_headers(store, layout.keys), source=root.uri)
+        layout = remote_checkpoint.discover(store, root)
+        ckpt = cls(remote_checkpoint.read_safetensors_headers(store, layout.keys), source=root.uri)
         if layout.weight_map is not None and layout.index_key is not None:
             index = layout.index_key.rsplit("/", 1)[-1]
             ckpt._check_index(index, layout.weight_map, lambda f: store.uri_of(root.child(f).key))

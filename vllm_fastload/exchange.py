@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,8 +32,6 @@ from vllm_fastload.plan import LayerGroup, TensorRequest
 from vllm_fastload.sizes import round_up
 from vllm_fastload.tensors import dtype_of, shape_of
 
-#: Result key suffix of a rank's whole-row read of a shared tensor.
-ROWS_SUFFIX = "#rows"
 #: Pieces are packed at this alignment in the swap buffers, so that each can be viewed as its dtype.
 PIECE_ALIGN = 16
 
@@ -43,26 +41,49 @@ def _padded(nbytes: int) -> int:
 
 
 @dataclass(frozen=True)
+class ColumnSlice:
+    """What a rank keeps of a shared tensor: ``[start, start + length)`` along its sliced dim."""
+
+    start: int
+    length: int
+
+
+@dataclass(frozen=True)
+class RowBlock:
+    """What a rank reads of a shared tensor for the whole group: ``count`` whole rows (dim 0) from
+    ``start``."""
+
+    start: int
+    count: int
+
+
+@dataclass(frozen=True)
 class SharedTensor:
     """One tensor every rank of the group slices along ``dim`` (>= 1), read as blocks of whole rows."""
 
     name: str
     shape: tuple[int, ...]
     dim: int
-    #: Per group rank: ``(start, length)`` of the slice along ``dim`` that the rank keeps.
-    columns: tuple[tuple[int, int], ...]
-    #: Per group rank: ``(start, count)`` of the rows (dim 0) that the rank reads for everyone.
-    rows: tuple[tuple[int, int], ...]
+    #: Per group rank: the columns it keeps.
+    columns: tuple[ColumnSlice, ...]
+    #: Per group rank: the rows it reads for everyone.
+    rows: tuple[RowBlock, ...]
 
     def piece_shape(self, row_rank: int, column_rank: int) -> list[int]:
         """Shape of ``column_rank``'s slice inside ``row_rank``'s rows."""
         shape = list(self.shape)
-        shape[0] = self.rows[row_rank][1]
-        shape[self.dim] = self.columns[column_rank][1]
+        shape[0] = self.rows[row_rank].count
+        shape[self.dim] = self.columns[column_rank].length
         return shape
 
+    def row_request(self, rank: int) -> TensorRequest:
+        """What ``rank`` reads of it: its block of whole rows (under a key of its own)."""
+        block = self.rows[rank]
+        return TensorRequest(self.name, dim=0, start=block.start, length=block.count,
+                             key=f"{self.name}[rows {block.start}:{block.start + block.count}]")
 
-@dataclass
+
+@dataclass(frozen=True)
 class ExchangeStats:
     """What one rank's exchange did, for the loader's summary line."""
 
@@ -70,6 +91,16 @@ class ExchangeStats:
     layers: int = 0
     bytes_sent: int = 0
     seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What every rank must agree on to share a tensor."""
+
+    shape: tuple[int, ...]
+    #: The checkpoint's dtype name (``TensorInfo.dtype``).
+    dtype: str
+    dim: int
 
 
 @dataclass(frozen=True)
@@ -85,9 +116,8 @@ class Candidate:
     length: int
 
     @property
-    def layout(self) -> tuple[tuple[int, ...], str, int]:
-        """What every rank must agree on to share the tensor: shape, dtype and dim."""
-        return self.shape, self.dtype, self.dim
+    def layout(self) -> Layout:
+        return Layout(self.shape, self.dtype, self.dim)
 
 
 def candidates(targets: Mapping[TensorRequest, object], infos: Mapping[str, TensorInfo]) -> dict[str, Candidate]:
@@ -132,9 +162,9 @@ class Collectives:
         dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=self.group)
 
 
-def _split_rows(count: int, world: int) -> tuple[tuple[int, int], ...]:
+def _split_rows(count: int, world: int) -> tuple[RowBlock, ...]:
     bounds = [count * q // world for q in range(world + 1)]
-    return tuple((bounds[q], bounds[q + 1] - bounds[q]) for q in range(world))
+    return tuple(RowBlock(bounds[q], bounds[q + 1] - bounds[q]) for q in range(world))
 
 
 def agree(collectives: Collectives, targets: Mapping[TensorRequest, torch.Tensor] | None,
@@ -160,18 +190,17 @@ def agree(collectives: Collectives, targets: Mapping[TensorRequest, torch.Tensor
         # Same shape, dtype and dim on every rank (ranks reading different copies share nothing).
         if len({c[name].layout for c in everyone}) != 1:
             continue
-        shape, _, dim = everyone[0][name].layout
-        if shape[0] < world:
+        layout = everyone[0][name].layout
+        if layout.shape[0] < world:
             continue  # fewer rows than ranks: some rank would read nothing; not worth a special case
-        columns = tuple((c[name].start, c[name].length) for c in everyone)
-        shared[name] = SharedTensor(name, shape, dim, columns, _split_rows(shape[0], world))
+        columns = tuple(ColumnSlice(c[name].start, c[name].length) for c in everyone)
+        shared[name] = SharedTensor(name, layout.shape, layout.dim, columns, _split_rows(layout.shape[0], world))
     if not shared or targets is None:
         return None
     dests = {req.name: dest for req, dest in targets.items() if req.name in shared}
     return RowExchange(collectives, shared, dests, infos)
 
 
-@dataclass
 class RowExchange:
     """This rank's part of the exchange: its row reads, where the columns go, and the collectives.
 
@@ -180,16 +209,22 @@ class RowExchange:
     in the swap: all ranks then stop with an error.
     """
 
-    collectives: Collectives
-    shared: dict[str, SharedTensor]
-    #: This rank's destination (its column slice) of every shared tensor.
-    dests: dict[str, torch.Tensor]
-    infos: Mapping[str, TensorInfo]
-    stats: ExchangeStats = field(default_factory=ExchangeStats)
-    _outgoing: dict[str, list[torch.Tensor]] = field(default_factory=dict)
-    _done: set[str] = field(default_factory=set)
-    #: A collective failed half-way, or a peer reported its failure: no further collective.
-    _broken: bool = False
+    def __init__(self, collectives: Collectives, shared: dict[str, SharedTensor], dests: dict[str, torch.Tensor],
+                 infos: Mapping[str, TensorInfo]) -> None:
+        self.collectives = collectives
+        self.shared = shared
+        #: This rank's destination (its column slice) of every shared tensor.
+        self.dests = dests
+        self.infos = infos
+        #: This rank's row reads, and the tensor each is of.
+        self._row_reads = {s.row_request(self.rank): s for s in shared.values()}
+        self._outgoing: dict[str, list[torch.Tensor]] = {}
+        self._done: set[str] = set()
+        #: A collective failed half-way, or a peer reported its failure: no further collective.
+        self._broken = False
+        # What ``stats`` reports, counted as the swaps go.
+        self._tensors = self._layers = self._bytes_sent = 0
+        self._seconds = 0.0
 
     @property
     def rank(self) -> int:
@@ -199,28 +234,32 @@ class RowExchange:
     def world(self) -> int:
         return self.collectives.world
 
+    @property
+    def stats(self) -> ExchangeStats:
+        """What this rank's exchange did so far."""
+        return ExchangeStats(self._tensors, self._layers, self._bytes_sent, self._seconds)
+
     def owns(self, request: TensorRequest) -> bool:
         """Whether ``request`` (one of this rank's slices) is delivered by the exchange instead."""
         return request.name in self.shared
 
     def row_requests(self) -> list[TensorRequest]:
         """What this rank reads: its block of whole rows of every shared tensor."""
-        return [TensorRequest(name, dim=0, start=s.rows[self.rank][0], length=s.rows[self.rank][1],
-                              key=name + ROWS_SUFFIX) for name, s in self.shared.items()]
+        return list(self._row_reads)
 
-    def take(self, key: str, rows: torch.Tensor) -> bool:
-        """``on_tensor`` hook: keep this rank's columns of its rows, set aside copies of the others'
+    def take(self, request: TensorRequest, rows: torch.Tensor) -> bool:
+        """Per-tensor hook: keep this rank's columns of its rows, set aside copies of the others'
         (in host memory: ``rows`` is only valid during the call, and gloo sends host tensors).
-        False if ``key`` is not an exchange read."""
-        if not key.endswith(ROWS_SUFFIX) or key[:-len(ROWS_SUFFIX)] not in self.shared:
+        False if ``request`` is not one of the exchange's reads."""
+        s = self._row_reads.get(request)
+        if s is None:
             return False
-        s = self.shared[key[:-len(ROWS_SUFFIX)]]
-        first, count = s.rows[self.rank]
+        block = s.rows[self.rank]
         outgoing = []
-        for q, (start, length) in enumerate(s.columns):
-            piece = rows.narrow(s.dim, start, length)
+        for q, columns in enumerate(s.columns):
+            piece = rows.narrow(s.dim, columns.start, columns.length)
             if q == self.rank:
-                self.dests[s.name].narrow(0, first, count).copy_(piece)
+                self.dests[s.name].narrow(0, block.start, block.count).copy_(piece)
             else:
                 nbytes = piece.numel() * piece.element_size()
                 owned = torch.empty(_padded(nbytes), dtype=torch.uint8)
@@ -231,8 +270,7 @@ class RowExchange:
 
     def layer_done(self, group: LayerGroup) -> None:
         """Swap the columns of the layer's shared tensors: one ``all_to_all`` for the layer."""
-        names = sorted({t.request.name for t in group.tensors if t.key.endswith(ROWS_SUFFIX)}
-                       & self.shared.keys())
+        names = sorted({s.name for t in group.tensors if (s := self._row_reads.get(t.request)) is not None})
         if names:
             self._swap(names)
 
@@ -302,15 +340,15 @@ class RowExchange:
                 continue
             for name in names:
                 s = self.shared[name]
-                first, count = s.rows[q]
+                block = s.rows[q]
                 nbytes = self._piece_bytes(name, q)
                 piece = recv[at:at + nbytes].view(dtype_of(self.infos[name])).view(s.piece_shape(q, self.rank))
-                self.dests[name].narrow(0, first, count).copy_(piece)
+                self.dests[name].narrow(0, block.start, block.count).copy_(piece)
                 at += _padded(nbytes)
-        self.stats.tensors += len(names)
-        self.stats.layers += 1
-        self.stats.bytes_sent += send.numel()
-        self.stats.seconds += time.perf_counter() - start
+        self._tensors += len(names)
+        self._layers += 1
+        self._bytes_sent += send.numel()
+        self._seconds += time.perf_counter() - start
 
     def _piece_bytes(self, name: str, row_rank: int) -> int:
         """Bytes of this rank's columns in ``row_rank``'s rows of ``name``."""

@@ -1,4 +1,4 @@
-"""Executes a plan: bounded read-ahead, buffers from the pool, results in layer order, events.
+"""Executes a plan: a bounded number of chunks in flight, buffers from the pool, results in layer order, events.
 
 Each chunk travels as a ``Delivery`` of its kind, all with one contract: ``start`` its reads,
 ``wait`` for them, ``deliver`` its tensors, and hand back what it holds (``held``, ``drain``):
@@ -7,7 +7,7 @@ Each chunk travels as a ``Delivery`` of its kind, all with one contract: ``start
 - ``BufferedDelivery``: the reads land in a pool buffer, the tensors are views of it;
 - ``MappedDelivery``: no reads; the tensors are views of a private mapping of the file.
 
-``PlanExecutor.run`` is the loop: the next chunk from the read-ahead (``ReadAhead``) -> check the
+``PlanExecutor.run`` is the loop: the next chunk in flight (``ChunksInFlight``) -> check the
 file did not change -> yield its tensors -> hand the previous chunk's buffer back -> when a layer
 group's last chunk was consumed, fire its event.
 """
@@ -31,16 +31,20 @@ from vllm_fastload.errors import CheckpointError, PlanError
 from vllm_fastload.events import LoadProgress
 from vllm_fastload.format import SafetensorsFile
 from vllm_fastload.plan import Chunk, LayerGroup, Plan, PlannedTensor
-from vllm_fastload.readers import Call, Pending, ReadCall, Reader, RowsCall
+from vllm_fastload.readers import Call, FileWindow, Pending, ReadCall, Reader, RowsCall
 from vllm_fastload.tensors import byte_view, torch_dtype, view_tensor
 
 logger = logging.getLogger("vllm_fastload")
 
-#: What the executor yields: a planned tensor and its bytes as a tensor.
-Delivered = tuple[PlannedTensor, torch.Tensor]
+@dataclass(frozen=True, eq=False)  # identity: it holds tensors (no elementwise ==)
+class Delivered:
+    """What the executor yields: a planned tensor and its bytes as a tensor."""
+
+    planned: PlannedTensor
+    tensor: torch.Tensor
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoadStats:
     """What one execution did; adapters log it and benchmarks report it."""
 
@@ -65,8 +69,13 @@ class Delivery:
         #: Reads in flight; None once waited for (or where there are none).
         self.pending: Pending | None = None
 
-    def start(self, reader: Reader, sf: SafetensorsFile, stats: LoadStats) -> None:
-        """Start the chunk's reads, if it has any, and count them in ``stats``."""
+    @property
+    def read_bytes(self) -> int:
+        """The bytes the chunk's reads move (or its views show)."""
+        raise NotImplementedError
+
+    def start(self, reader: Reader, sf: SafetensorsFile) -> None:
+        """Start the chunk's reads, if it has any."""
         raise NotImplementedError
 
     def wait(self, stall_s: float | None = None) -> None:
@@ -79,13 +88,13 @@ class Delivery:
         except CheckpointError as exc:
             if exc.tensor is not None:
                 raise
-            names = list(dict.fromkeys(t.info.name for t, _ in self.chunk.tensors))  # checkpoint names, not keys
+            names = list(dict.fromkeys(c.tensor.info.name for c in self.chunk.tensors))  # checkpoint names, not keys
             where = f" while reading {', '.join(names[:3])}{' and others' if len(names) > 3 else ''}"
             raise type(exc)(exc.reason + where, file=exc.file, tensor=names[0] if names else None) from exc
         self.pending = None
 
     def deliver(self) -> Iterator[Delivered]:
-        """Yield ``(planned tensor, tensor)`` for each of the chunk's tensors, in plan order."""
+        """Yield each of the chunk's tensors with its bytes, in plan order."""
         raise NotImplementedError
 
     def held(self) -> Buffer | None:
@@ -112,16 +121,18 @@ class DirectDelivery(Delivery):
         super().__init__(chunk)
         self.calls = calls
 
-    def start(self, reader: Reader, sf: SafetensorsFile, stats: LoadStats) -> None:
+    @property
+    def read_bytes(self) -> int:
+        return _direct_bytes(self.chunk)
+
+    def start(self, reader: Reader, sf: SafetensorsFile) -> None:
         _after_consumer_work(self.chunk, None)
-        stats.bytes_read += _direct_bytes(self.chunk)
-        stats.chunks += 1
         self.pending = reader.submit(sf, self.calls)
 
     def deliver(self) -> Iterator[Delivered]:
-        for t, _ in self.chunk.tensors:
-            assert isinstance(t.dest, torch.Tensor)
-            yield t, t.dest
+        for c in self.chunk.tensors:
+            assert isinstance(c.tensor.dest, torch.Tensor)
+            yield Delivered(c.tensor, c.tensor.dest)
 
 
 class BufferedDelivery(Delivery):
@@ -131,21 +142,24 @@ class BufferedDelivery(Delivery):
         super().__init__(chunk)
         self.buffer: Buffer | None = buffer
 
-    def start(self, reader: Reader, sf: SafetensorsFile, stats: LoadStats) -> None:
+    @property
+    def read_bytes(self) -> int:
+        return sum(op.length for op in self.chunk.ops)
+
+    def start(self, reader: Reader, sf: SafetensorsFile) -> None:
         assert self.buffer is not None
         _after_consumer_work(self.chunk, self.buffer)
         into = self.buffer.tensor
         calls: list[Call] = [RowsCall(op.rows, into[op.buf_offset:op.buf_offset + op.length]) if op.rows is not None
                              else ReadCall(op.file_offset, op.length, into[op.buf_offset:op.buf_offset + op.length])
                              for op in self.chunk.ops]
-        stats.bytes_read += sum(op.length for op in self.chunk.ops)
-        stats.chunks += 1
         self.pending = reader.submit(sf, calls)
 
     def deliver(self) -> Iterator[Delivered]:
         assert self.buffer is not None
-        for t, pos in self.chunk.tensors:
-            yield t, view_tensor(self.buffer.tensor[pos:pos + t.read_bytes], t)
+        for c in self.chunk.tensors:
+            pos, t = c.buf_offset, c.tensor
+            yield Delivered(t, view_tensor(self.buffer.tensor[pos:pos + t.read_bytes], t))
 
     def held(self) -> Buffer | None:
         buf, self.buffer = self.buffer, None
@@ -157,22 +171,25 @@ class MappedDelivery(Delivery):
 
     views_file = True
 
-    def __init__(self, chunk: Chunk, window: torch.Tensor, first: int) -> None:
+    def __init__(self, chunk: Chunk, window: FileWindow) -> None:
         super().__init__(chunk)
-        self.window, self.first = window, first
+        self.window = window
 
-    def start(self, reader: Reader, sf: SafetensorsFile, stats: LoadStats) -> None:
-        stats.bytes_read += sum(t.read_bytes for t, _ in self.chunk.tensors)
-        stats.chunks += 1
+    @property
+    def read_bytes(self) -> int:
+        return _direct_bytes(self.chunk)
+
+    def start(self, reader: Reader, sf: SafetensorsFile) -> None:
         # The pages are brought in on the reader's threads, where a failing disk, a file cut short
         # or a stalled read is an error naming the file (or a stall past the deadline), not a
         # SIGBUS or a hang in the caller's copy out of the views.
-        self.pending = reader.populate_mapped(sf, self.window, self.first)
+        self.pending = reader.populate_mapped(sf, self.window)
 
     def deliver(self) -> Iterator[Delivered]:
-        for t, _ in self.chunk.tensors:
-            offset = t.ranges[0][0] - self.first
-            yield t, view_tensor(self.window[offset:offset + t.read_bytes], t)
+        for c in self.chunk.tensors:
+            t = c.tensor
+            offset = t.ranges[0].offset - self.window.first
+            yield Delivered(t, view_tensor(self.window.tensor[offset:offset + t.read_bytes], t))
 
 
 def _after_consumer_work(chunk: Chunk, buf: Buffer | None) -> None:
@@ -184,7 +201,7 @@ def _after_consumer_work(chunk: Chunk, buf: Buffer | None) -> None:
     block the caching allocator recycled from such a view, and a ``read_into`` destination may
     still have queued writes. Host memory needs nothing.
     """
-    target = buf.tensor if buf is not None else next((t.dest for t, _ in chunk.tensors), None)
+    target = buf.tensor if buf is not None else next((c.tensor.dest for c in chunk.tensors), None)
     if isinstance(target, torch.Tensor) and target.is_cuda:
         stream = torch.cuda.current_stream(target.device)
         # query() first: synchronize() gives up the GIL, and with the reader's threads busy this
@@ -196,7 +213,8 @@ def _after_consumer_work(chunk: Chunk, buf: Buffer | None) -> None:
 def _direct_calls(chunk: Chunk) -> list[Call]:
     """The read calls of a chunk read straight into the caller's tensors."""
     calls: list[Call] = []
-    for t, _ in chunk.tensors:
+    for c in chunk.tensors:
+        t = c.tensor
         assert isinstance(t.dest, torch.Tensor)
         dest = byte_view(t.dest)
         if dest.numel() != t.needed_bytes:
@@ -213,10 +231,11 @@ def _direct_calls(chunk: Chunk) -> list[Call]:
 
 
 def _direct_bytes(chunk: Chunk) -> int:
-    return sum(t.read_bytes for t, _ in chunk.tensors)
+    """The bytes of a chunk's tensors (as read into their own tensors, or shown by a mapping)."""
+    return sum(c.tensor.read_bytes for c in chunk.tensors)
 
 
-def _mapped(reader: Reader, sf: SafetensorsFile, chunk: Chunk) -> tuple[torch.Tensor, int] | None:
+def _mapped(reader: Reader, sf: SafetensorsFile, chunk: Chunk) -> FileWindow | None:
     """The chunk's bytes where a buffered chunk can be handed out as views of a mapping of the
     file instead of read into a buffer (the reader decides: cached, local, mappable); None to read
     it. Each tensor must be one aligned range of the file (row slices read segment by segment are
@@ -224,7 +243,8 @@ def _mapped(reader: Reader, sf: SafetensorsFile, chunk: Chunk) -> tuple[torch.Te
     mapping share memory, so writing into one would change the other, where reads into a buffer
     give each request its own bytes."""
     ranges = []
-    for t, _ in chunk.tensors:
+    for c in chunk.tensors:
+        t = c.tensor
         try:
             itemsize = torch_dtype(t).itemsize
         except Exception:  # a dtype torch cannot hold: its error belongs to its delivery, not here
@@ -238,10 +258,10 @@ def _mapped(reader: Reader, sf: SafetensorsFile, chunk: Chunk) -> tuple[torch.Te
     return reader.mapped(sf, ranges)
 
 
-class ReadAhead:
+class ChunksInFlight:
     """The chunks submitted ahead of the one being delivered: ``policy.CHUNKS_IN_FLIGHT``, and
     beyond that chunks read into the caller's own tensors as far ahead as the reader asks for
-    (``Reader.direct_read_ahead``)."""
+    (``Reader.direct_in_flight``)."""
 
     def __init__(self, executor: PlanExecutor, chunks: Sequence[Chunk]) -> None:
         self.executor = executor
@@ -271,7 +291,7 @@ class ReadAhead:
     def _room_for(self, chunk: Chunk) -> bool:
         if len(self.in_flight) < policy.CHUNKS_IN_FLIGHT:
             return True
-        ahead_limit = self.executor.reader.direct_read_ahead
+        ahead_limit = self.executor.reader.direct_in_flight
         if ahead_limit <= 0 or not chunk.direct or not all(item.chunk.direct for item in self.in_flight):
             return False
         ahead = sum(_direct_bytes(item.chunk) for item in self.in_flight)
@@ -292,7 +312,8 @@ class ReadAhead:
         delivery = self._delivery(chunk, sf)
         if delivery is None:
             return None
-        delivery.start(ex.reader, sf, ex.stats)
+        delivery.start(ex.reader, sf)
+        ex.count_chunk(delivery.read_bytes)
         return delivery
 
     def _delivery(self, chunk: Chunk, sf: SafetensorsFile) -> Delivery | None:
@@ -301,7 +322,7 @@ class ReadAhead:
             return DirectDelivery(chunk, self.prepared.pop(self.next_index))
         window = _mapped(ex.reader, sf, chunk)
         if window is not None:
-            return MappedDelivery(chunk, *window)
+            return MappedDelivery(chunk, window)
         buf = ex.pool.try_acquire(chunk.nbytes)
         if buf is None:
             if self.in_flight:
@@ -316,11 +337,25 @@ class PlanExecutor:
         self.reader = reader
         self.pool = pool
         self.config = config
-        self.stats = LoadStats()
+        # What ``stats`` reports, counted as the execution goes.
+        self._bytes_read = self._tensors = self._chunks = self._oversize_tensors = 0
+        self._peak = self._handed_over = 0
+
+    @property
+    def stats(self) -> LoadStats:
+        """What the execution did so far (all of it once ``run`` has ended)."""
+        return LoadStats(bytes_read=self._bytes_read, tensors=self._tensors, chunks=self._chunks,
+                         peak_buffer_bytes=self._peak, buffers_handed_over=self._handed_over,
+                         oversize_tensors=self._oversize_tensors)
+
+    def count_chunk(self, read_bytes: int) -> None:
+        """A chunk's reads started (or its views made)."""
+        self._bytes_read += read_bytes
+        self._chunks += 1
 
     def run(self, plan: Plan, progress: LoadProgress | None = None,
             on_layer_end: Callable[[LayerGroup], object] | None = None) -> Iterator[Delivered]:
-        """Yield ``(planned tensor, tensor)`` in plan order.
+        """Yield each planned tensor with its bytes (``Delivered``), in plan order.
 
         For buffered chunks the tensor is a view into a pool buffer: valid as long as the caller
         holds it, never overwritten while held (see ``buffers``); for mapped chunks a view of a
@@ -332,7 +367,7 @@ class PlanExecutor:
         "still referenced" be told apart from "kept on purpose". (The pool parks a buffer that is
         still referenced and re-checks it later, so being early is safe too.)
         """
-        ahead = ReadAhead(self, plan.chunks)
+        ahead = ChunksInFlight(self, plan.chunks)
         previous: Buffer | None = None
         current: Delivery | None = None
         handed_over_before = self.pool.handed_over
@@ -342,7 +377,7 @@ class PlanExecutor:
                     current = ahead.next()
                     self._check_unchanged(current.chunk)
                     for delivered in current.deliver():
-                        self.stats.tensors += 1
+                        self._tensors += 1
                         yield delivered
                     if current.views_file:
                         # Views show the file while the caller copies them: a change made
@@ -362,8 +397,8 @@ class PlanExecutor:
             if current is not None:
                 current.drain(self.pool, self.config.stall_timeout_s)
             ahead.drain(self.pool)
-            self.stats.peak_buffer_bytes = max(self.stats.peak_buffer_bytes, self.pool.peak)
-            self.stats.buffers_handed_over = self.pool.handed_over - handed_over_before
+            self._peak = max(self._peak, self.pool.peak)
+            self._handed_over = self.pool.handed_over - handed_over_before
 
     def _check_unchanged(self, chunk: Chunk) -> None:
         if self.config.check_file_changes:
@@ -378,9 +413,9 @@ class PlanExecutor:
             progress.layer_done(group.key.layer, group.key.name, len(group.tensors), group.read_bytes)
 
     def _oversize(self, chunk: Chunk) -> Buffer:
-        names = ", ".join(t.key for t, _ in chunk.tensors)
+        names = ", ".join(c.tensor.key for c in chunk.tensors)
         logger.warning("fastload: %s needs %.1f MB at once, more than fits in memory_budget (%.1f MB) "
                        "beside the buffer still in use; reading it into a one-off buffer",
                        names, chunk.nbytes / 1e6, self.pool.budget / 1e6)
-        self.stats.oversize_tensors += len(chunk.tensors)
+        self._oversize_tensors += len(chunk.tensors)
         return self.pool.allocate_oversize(chunk.nbytes)

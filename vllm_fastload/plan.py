@@ -8,7 +8,7 @@ reads the rows that enclose them and narrows afterwards ("enclosing"). The cost 
 
 because one extra read call costs about as much as reading ``strided_min_skip`` bytes, and
 below one page (4 KiB) the disk transfers the skipped bytes anyway. The default threshold
-comes from the backend (see ``readers.default_strided_min_skip``) and can be overridden.
+comes from the backend (``policy.reader_strided_min_skip``) and can be overridden.
 
 Ranges are then coalesced, in file-offset order, into aggregated reads ("chunks") of up to
 ``aggregate_size`` bytes, and tensors are grouped by transformer layer so that layers complete
@@ -21,9 +21,9 @@ import math
 import operator
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, overload
+from typing import TYPE_CHECKING, Literal, NamedTuple, overload
 
 from vllm_fastload.checkpoint import Checkpoint
 from vllm_fastload.errors import InvalidRequestError, PlanError
@@ -37,6 +37,17 @@ if TYPE_CHECKING:
 #: Buffer positions that start a new read are aligned to this (covers every dtype, and
 #: the 4 KiB-friendly sizes GPUDirect Storage prefers are multiples of it).
 BUFFER_ALIGN = 64
+
+
+class ByteRange(NamedTuple):
+    """``length`` bytes of a file from ``offset``.
+
+    A named tuple, not a dataclass: a slice holds one per row, made as they are iterated
+    (``RowRanges``), and the readers' loops unpack them.
+    """
+
+    offset: int
+    length: int
 
 
 @dataclass(frozen=True)
@@ -92,7 +103,7 @@ class Rows:
         return self.stride if self.gaps else self.seg
 
     def ranges(self) -> RowRanges:
-        """``(file offset, length)`` of each segment, in order."""
+        """Each segment's ``ByteRange``, in order."""
         return RowRanges(self)
 
     def split(self, first: int, count: int) -> Rows:
@@ -100,8 +111,8 @@ class Rows:
         return Rows(self.offset + first * self.stride, self.seg, self.stride, count, self.gaps, self.lead)
 
 
-class RowRanges(Sequence[tuple[int, int]]):
-    """A slice's segments as ``(file offset, length)``, computed when asked for.
+class RowRanges(Sequence[ByteRange]):
+    """A slice's segments as ``ByteRange``s, computed when asked for.
 
     A plan holds one per sliced tensor, made twice per ``read_into``. Building thousands of tuples
     per tensor up front would keep the loading thread from feeding the reader's threads.
@@ -116,12 +127,12 @@ class RowRanges(Sequence[tuple[int, int]]):
         return self._rows.count
 
     @overload
-    def __getitem__(self, index: int) -> tuple[int, int]: ...
+    def __getitem__(self, index: int) -> ByteRange: ...
 
     @overload
-    def __getitem__(self, index: slice) -> list[tuple[int, int]]: ...
+    def __getitem__(self, index: slice) -> list[ByteRange]: ...
 
-    def __getitem__(self, index: int | slice) -> tuple[int, int] | list[tuple[int, int]]:
+    def __getitem__(self, index: int | slice) -> ByteRange | list[ByteRange]:
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
         index = operator.index(index)
@@ -129,11 +140,11 @@ class RowRanges(Sequence[tuple[int, int]]):
             index += len(self)
         if not 0 <= index < len(self):
             raise IndexError("segment index out of range")
-        return self._rows.offset + index * self._rows.stride, self._rows.seg
+        return ByteRange(self._rows.offset + index * self._rows.stride, self._rows.seg)
 
-    def __iter__(self) -> Iterator[tuple[int, int]]:
+    def __iter__(self) -> Iterator[ByteRange]:
         offset, stride, seg = self._rows.offset, self._rows.stride, self._rows.seg
-        return ((offset + i * stride, seg) for i in range(self._rows.count))
+        return (ByteRange(offset + i * stride, seg) for i in range(self._rows.count))
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, Sequence) and not isinstance(other, (str, bytes)):
@@ -152,7 +163,7 @@ class RowRanges(Sequence[tuple[int, int]]):
 Strategy = Literal["whole", "contiguous", "strided", "enclosing"]
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)  # identity: it may hold the caller's tensor (no elementwise ==)
 class PlannedTensor:
     """One request resolved against the file: what to read and how to view it afterwards."""
 
@@ -161,8 +172,8 @@ class PlannedTensor:
     #: Shape of the result.
     shape: tuple[int, ...]
     strategy: Strategy
-    #: ``(file offset, length)`` of the bytes read, in result order.
-    ranges: Sequence[tuple[int, int]]
+    #: The bytes read, in result order.
+    ranges: Sequence[ByteRange]
     needed_bytes: int
     layer: LayerKey
     #: For "enclosing": element strides of the view over the read bytes.
@@ -183,7 +194,7 @@ class PlannedTensor:
         return self.request.result_key
 
 
-@dataclass
+@dataclass(frozen=True)
 class ReadOp:
     """One read call: ``length`` bytes at ``file_offset`` into the chunk buffer at ``buf_offset``;
     with ``rows``, a slice's segments (``length`` bytes in all) packed there instead."""
@@ -194,31 +205,43 @@ class ReadOp:
     rows: Rows | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
+class ChunkTensor:
+    """A tensor of a chunk, and where its bytes start in the chunk's buffer (0 in a direct chunk,
+    whose reads land in the tensor's own ``dest``)."""
+
+    tensor: PlannedTensor
+    buf_offset: int
+
+
+@dataclass(frozen=True)
 class Chunk:
-    """An aggregated read from one file: the unit of buffering and of read-ahead."""
+    """An aggregated read from one file: the unit of buffering and of reads in flight."""
 
     file: str
-    ops: list[ReadOp]
-    nbytes: int                                  # buffer size needed
-    tensors: list[tuple[PlannedTensor, int]]     # (tensor, buffer offset) in yield order
-    direct: bool = False                         # reads land in the tensors' own ``dest``
+    ops: tuple[ReadOp, ...]
+    #: Buffer size needed.
+    nbytes: int
+    #: In yield order.
+    tensors: tuple[ChunkTensor, ...]
+    #: Reads land in the tensors' own ``dest``.
+    direct: bool = False
 
 
-@dataclass
+@dataclass(frozen=True)
 class LayerGroup:
     key: LayerKey
-    tensors: list[PlannedTensor] = field(default_factory=list)
-    chunks: list[Chunk] = field(default_factory=list)
+    tensors: tuple[PlannedTensor, ...] = ()
+    chunks: tuple[Chunk, ...] = ()
 
     @property
     def read_bytes(self) -> int:
         return sum(t.read_bytes for t in self.tensors)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
-    groups: list[LayerGroup]
+    groups: tuple[LayerGroup, ...]
     checkpoint_bytes: int
 
     @property
@@ -284,7 +307,7 @@ def plan_tensor(info: TensorInfo, request: TensorRequest, strided_min_skip: int)
     shape, bits, name = info.shape, info.bits, info.name
     layer = layer_key(name)
     if request.dim is None:
-        ranges = [(info.start, info.nbytes)] if info.nbytes else []
+        ranges = [ByteRange(info.start, info.nbytes)] if info.nbytes else []
         return PlannedTensor(request, info, shape, "whole", ranges, info.nbytes, layer)
     ndim = len(shape)
     dim = request.dim + ndim if request.dim < 0 else request.dim
@@ -312,7 +335,7 @@ def plan_tensor(info: TensorInfo, request: TensorRequest, strided_min_skip: int)
     needed = outer * seg
     if outer == 1 or seg == row or needed == 0:
         # One contiguous range: dim 0, a full-size slice, or everything before `dim` is 1.
-        ranges = [(first, needed)] if needed else []
+        ranges = [ByteRange(first, needed)] if needed else []
         return PlannedTensor(request, info, out_shape, "contiguous", ranges, needed, layer)
     if row - seg >= strided_min_skip:
         rows = Rows(first, seg, row, outer, lead=lead)
@@ -320,7 +343,7 @@ def plan_tensor(info: TensorInfo, request: TensorRequest, strided_min_skip: int)
     # Read from the first needed byte to the last and view it with the original strides.
     rows = Rows(first, seg, row, outer, gaps=True, lead=lead)
     strides = contiguous_strides(shape)
-    return PlannedTensor(request, info, out_shape, "enclosing", [(first, rows.span)], needed, layer,
+    return PlannedTensor(request, info, out_shape, "enclosing", [ByteRange(first, rows.span)], needed, layer,
                          view_strides=strides, rows=rows)
 
 
@@ -352,7 +375,20 @@ def _one_range(t: PlannedTensor) -> bool:
     return t.rows is None or t.rows.gaps
 
 
-def _buffer_position(chunk: Chunk, t: PlannedTensor) -> int:
+class _ChunkBuilder:
+    """A chunk while tensors are added to it (``freeze`` makes the ``Chunk``)."""
+
+    def __init__(self, file: str, direct: bool) -> None:
+        self.file, self.direct = file, direct
+        self.ops: list[ReadOp] = []
+        self.tensors: list[ChunkTensor] = []
+        self.nbytes = 0
+
+    def freeze(self) -> Chunk:
+        return Chunk(self.file, tuple(self.ops), self.nbytes, tuple(self.tensors), self.direct)
+
+
+def _buffer_position(chunk: _ChunkBuilder, t: PlannedTensor) -> int:
     """Where ``t`` goes in ``chunk``'s buffer: right after the previous read if it continues it
     in the file (so the two merge into one read call), else at the next aligned position."""
     last = chunk.ops[-1] if chunk.ops else None
@@ -364,7 +400,7 @@ def _buffer_position(chunk: Chunk, t: PlannedTensor) -> int:
     return pos
 
 
-def _build_chunks(tensors: Sequence[PlannedTensor], aggregate_size: int) -> list[Chunk]:
+def _build_chunks(tensors: Sequence[PlannedTensor], aggregate_size: int) -> tuple[Chunk, ...]:
     """Pack tensors (already in file order) into chunks; merge reads contiguous in file and buffer.
 
     A chunk's buffer (alignment padding included) stays within ``aggregate_size`` unless it
@@ -372,23 +408,23 @@ def _build_chunks(tensors: Sequence[PlannedTensor], aggregate_size: int) -> list
     destination) get chunks of their own with no buffer; the executor derives their read
     calls from ``tensor.ranges``.
     """
-    chunks: list[Chunk] = []
+    chunks: list[_ChunkBuilder] = []
     filled = 0
     for t in tensors:
         current = chunks[-1] if chunks else None
         if current is None or not _joins(current, t, filled, aggregate_size):
-            current = Chunk(t.info.file, [], 0, [], direct=t.dest is not None)
+            current = _ChunkBuilder(t.info.file, direct=t.dest is not None)
             chunks.append(current)
             filled = 0
         filled += t.read_bytes
         if current.direct:
-            current.tensors.append((t, 0))
+            current.tensors.append(ChunkTensor(t, 0))
         else:
             _place(current, t)
-    return chunks
+    return tuple(c.freeze() for c in chunks)
 
 
-def _joins(chunk: Chunk, t: PlannedTensor, filled: int, aggregate_size: int) -> bool:
+def _joins(chunk: _ChunkBuilder, t: PlannedTensor, filled: int, aggregate_size: int) -> bool:
     """Whether ``t`` goes into ``chunk``: the same file, read the same way (direct or into a
     buffer), and the chunk stays within ``aggregate_size`` (``filled``: its direct bytes so far)."""
     direct = t.dest is not None
@@ -398,10 +434,10 @@ def _joins(chunk: Chunk, t: PlannedTensor, filled: int, aggregate_size: int) -> 
     return end <= aggregate_size
 
 
-def _place(chunk: Chunk, t: PlannedTensor) -> None:
+def _place(chunk: _ChunkBuilder, t: PlannedTensor) -> None:
     """Add a buffered tensor's reads to ``chunk``; reads contiguous in file and buffer merge."""
     pos = _buffer_position(chunk, t)
-    chunk.tensors.append((t, pos))
+    chunk.tensors.append(ChunkTensor(t, pos))
     if t.rows is not None and not t.rows.gaps:  # a slice read row by row: one call for all its rows
         chunk.ops.append(ReadOp(t.rows.offset, t.read_bytes, pos, rows=t.rows))
         pos += t.read_bytes
@@ -410,7 +446,7 @@ def _place(chunk: Chunk, t: PlannedTensor) -> None:
             last = chunk.ops[-1] if chunk.ops else None
             if (last is not None and last.rows is None and last.file_offset + last.length == offset
                     and last.buf_offset + last.length == pos):
-                last.length += length
+                chunk.ops[-1] = replace(last, length=last.length + length)
             else:
                 chunk.ops.append(ReadOp(offset, length, pos))
             pos += length
@@ -421,7 +457,7 @@ def build_plan(checkpoint: Checkpoint, requests: Iterable[TensorRequest | str], 
                aggregate_size: int, strided_min_skip: int,
                dests: Mapping[str, torch.Tensor] | None = None) -> Plan:
     """The per-rank plan: every request resolved, grouped by layer, coalesced into chunks."""
-    groups: dict[LayerKey, LayerGroup] = {}
+    layers: dict[LayerKey, list[PlannedTensor]] = {}
     seen: set[str] = set()
     for req in requests:
         req = TensorRequest(req) if isinstance(req, str) else req
@@ -431,12 +467,13 @@ def build_plan(checkpoint: Checkpoint, requests: Iterable[TensorRequest | str], 
         seen.add(req.result_key)
         planned = plan_tensor(checkpoint.info(req.name), req, strided_min_skip)
         _check_inside(planned)
-        if dests is not None:
-            planned.dest = dests.get(req.result_key)
-        groups.setdefault(planned.layer, LayerGroup(planned.layer)).tensors.append(planned)
-    ordered = [groups[k] for k in sorted(groups)]
-    for g in ordered:
-        g.tensors.sort(key=lambda t: (t.dest is not None, t.info.file,
-                                      t.ranges[0][0] if t.ranges else t.info.start))
-        g.chunks = _build_chunks(g.tensors, aggregate_size)
-    return Plan(ordered, checkpoint.total_bytes)
+        dest = None if dests is None else dests.get(req.result_key)
+        if dest is not None:
+            planned = replace(planned, dest=dest)
+        layers.setdefault(planned.layer, []).append(planned)
+    groups = []
+    for key in sorted(layers):
+        tensors = sorted(layers[key], key=lambda t: (t.dest is not None, t.info.file,
+                                                     t.ranges[0][0] if t.ranges else t.info.start))
+        groups.append(LayerGroup(key, tuple(tensors), _build_chunks(tensors, aggregate_size)))
+    return Plan(tuple(groups), checkpoint.total_bytes)

@@ -35,9 +35,35 @@ BackendSetting = Literal["auto", "host", "cuda", "kvikio"]
 MIN_THREADS = 4
 #: Most reader threads by default: more threads fault fresh memory in at once and contend.
 MAX_THREADS = 16
-#: Chunks read ahead of the one being delivered: each needs a buffer of fresh memory, and this
+#: Chunks in flight ahead of the one being delivered: each needs a buffer of fresh memory, and this
 #: many already keep every thread busy (each chunk is split into ``read_size`` pieces).
 CHUNKS_IN_FLIGHT = 3
+#: Buffers the executor holds at once: the chunks in flight, the one being delivered, and the one
+#: before it (handed back one chunk late, see ``executor.PlanExecutor.run``). The buffer pool
+#: rounds to its large granule only where this many fit in the budget.
+BUFFERS_IN_USE = CHUNKS_IN_FLIGHT + 2
+#: A page: below it the disk transfers the bytes between a slice's rows anyway.
+PAGE_BYTES = 4096
+#: ``strided_min_skip`` of the readers that land every byte they read where the caller's bytes go
+#: (the staged readers): one extra read call costs about as much as reading a page, so a slice
+#: whose rows skip less than that is read as its enclosing rows.
+STAGED_STRIDED_MIN_SKIP = PAGE_BYTES
+#: Destination ranges smaller than this are not faulted in ahead of a read: not worth the two
+#: system calls (a residency probe and ``madvise``).
+MIN_POPULATE_BYTES = 256 << 10
+#: Pages sampled per range to estimate its share in the page cache: one probe on the loading
+#: thread per chunk, or per tensor of a rank's load.
+PAGE_SAMPLES = 16
+#: Pages sampled per file for a whole checkpoint's share in the page cache (the rank's log line):
+#: a file is far larger than a chunk, and asked about once per load.
+FILE_PAGE_SAMPLES = 4 * PAGE_SAMPLES
+#: Pages sampled per chunk that a cheap probe found cached, to tell a wholly cached chunk from one
+#: with holes: enough to find a reclaimed stretch, few enough for one probe per chunk on the
+#: loading thread. A chunk of no more pages than this is not sampled.
+HOLE_SAMPLES = 64
+#: Read advice covers a chunk's whole span, first byte to last, where that is at most this many
+#: times the bytes it needs: one call instead of one per range, for few pages it does not need.
+ADVISE_SPAN_FACTOR = 2
 #: A chunk with at least this share of its pages cached is mapped (``map_cached``) with the
 #: missing pages advised, rather than read again whole with O_DIRECT (which re-fetches the
 #: cached pages from disk).
@@ -82,6 +108,11 @@ EARLY_READS_GAP = 128 << 10
 #: an engine whose start-up keeps every core busy until the load (SGLang's): long enough to tell a
 #: start-up with no idle time from a busy moment, short against its seconds before the load.
 EARLY_READS_STARVED_S = 1.0
+
+#: Early reads let go of the files they hold when less than this share of a memory limit (the
+#: machine's, a cgroup's) is free under it: the page cache they pin is then better left to what
+#: the engine needs.
+EARLY_READS_LOW_MEMORY = 0.1
 
 
 # -- decisions -------------------------------------------------------------------------------
@@ -236,7 +267,7 @@ def staging_slots(*, memory_budget: int, read_size: int, threads: int) -> tuple[
     return slot_size, max(1, min(threads, share // slot_size))
 
 
-def staging_read_ahead(*, threads: int, slot_size: int) -> int:
+def staging_in_flight(*, threads: int, slot_size: int) -> int:
     """Bytes of reads into the caller's own tensors worth queueing beyond ``CHUNKS_IN_FLIGHT``
     for a staged reader: ``SLOTS_AHEAD_PER_THREAD`` slots per thread."""
     return SLOTS_AHEAD_PER_THREAD * threads * slot_size
@@ -251,12 +282,36 @@ def read_through_gaps(*, planned: bool, gap: int, count: int, cached: bool, page
     return through and count > 1 and gap <= MAX_GAP
 
 
-def strided_min_skip(*, configured: int | None, remote: bool, coalesce_gap: int, reader_default: int) -> int:
+def reader_strided_min_skip(backend: Backend) -> int:
+    """The ``strided_min_skip`` a backend's plans use by default (local files).
+
+    ``host``: 0, its plans are exact. It moves a slice's rows without landing the bytes between
+    them anywhere the caller sees (copied out of a mapping where cached, else read through gaps
+    under a page into a scratch buffer), so reading the enclosing rows would only add bytes to copy
+    and hold. The staged readers: ``STAGED_STRIDED_MIN_SKIP``.
+    """
+    return 0 if backend == "host" else STAGED_STRIDED_MIN_SKIP
+
+
+def strided_min_skip(*, configured: int | None, remote: bool, coalesce_gap: int, backend: Backend) -> int:
     """The ``strided_min_skip`` a plan uses: configured, else for objects the store's
-    ``coalesce_gap`` (a request costs about as much as that many bytes), else the reader's default."""
+    ``coalesce_gap`` (a request costs about as much as that many bytes), else the backend's
+    (``reader_strided_min_skip``)."""
     if configured is not None:
         return configured
-    return coalesce_gap if remote else reader_default
+    return coalesce_gap if remote else reader_strided_min_skip(backend)
+
+
+def advise_whole_span(*, span: int, needed: int) -> bool:
+    """Whether read advice for a chunk's ranges covers its whole span at once (``ADVISE_SPAN_FACTOR``)
+    rather than each range on its own."""
+    return span <= ADVISE_SPAN_FACTOR * needed
+
+
+def sample_for_holes(*, span: int, page: int) -> bool:
+    """Whether a chunk the cheap probe found cached is sampled for holes: only one larger than
+    ``HOLE_SAMPLES`` pages (a smaller one is as good as probed already)."""
+    return span > HOLE_SAMPLES * page
 
 
 def filesystem_defaults(*, network: bool, set_fields: Collection[str]) -> dict[str, object]:
@@ -382,7 +437,7 @@ class EarlyReads(str, enum.Enum):
     """Whether a checkpoint is read into the page cache while the engine starts."""
 
     READ = "read"
-    #: An object store: nothing on this node's disks to read ahead.
+    #: An object store: nothing on this node's disks to read early.
     REMOTE = "not read: an object store"
     #: Neither a directory nor a Hugging Face id (a single file, or a path that is not there).
     NOT_A_CHECKPOINT = "not read: neither a directory nor a Hugging Face id"

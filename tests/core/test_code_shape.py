@@ -61,3 +61,83 @@ def test_the_measure(tmp_path: Path) -> None:
         "    return g\n")
     sizes = {where.rsplit(" ", 1)[1]: (lines, branches) for lines, branches, where in function_sizes(tmp_path)}
     assert sizes == {"f": (7, 2), "g": (3, 2)}
+
+
+# -- adapters reach the core through its public names only ------------------------------------------
+
+#: The adapters' side: the engine adapters and the rank loading they share (``model``), and TGI's.
+ADAPTERS = ("vllm_plugin", "sglang_plugin", "model")
+#: Neither core nor adapter: tooling (benchmarks, test and demo helpers, the command line).
+TOOLING = ("bench", "tools", "cli.py", "tp_rules.py", "__main__.py")
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.endswith("__") and name != "_"
+
+
+def core_private_names(package: Path = PACKAGE) -> set[str]:
+    """The private names the core defines: functions, classes, methods, module globals and
+    attributes it sets (``self._x = ...``)."""
+    names: set[str] = set()
+    for path in sorted(package.rglob("*.py")):
+        if path.relative_to(package).parts[0] in ADAPTERS + TOOLING:
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+        for node in tree.body:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
+                if isinstance(node, ast.AnnAssign) else []
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+    return {n for n in names if _private(n)}
+
+
+def private_reaches(roots: list[Path], private: set[str], own: str = "vllm_fastload") -> list[str]:
+    """Where a module under ``roots`` imports a private name from the core (``own``'s modules
+    outside the adapters), or reaches a private name the core defines on anything but itself
+    (``self``, ``cls``)."""
+    found = []
+    for root in roots:
+        for path in sorted(root.rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                where = f"{path.relative_to(root.parent)}:{getattr(node, 'lineno', 0)}"
+                if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == own \
+                        and not any(f".{a}" in f".{node.module}" for a in ADAPTERS):
+                    found += [f"{where} imports {a.name}" for a in node.names if _private(a.name)]
+                elif isinstance(node, ast.Attribute) and node.attr in private \
+                        and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                    found.append(f"{where} reaches .{node.attr}")
+    return found
+
+
+def test_no_adapter_reaches_a_private_name_of_the_core() -> None:
+    """The engine adapters load through the core's public interface (``FastCheckpoint.read_into``
+    with ``ReadHooks``): what the core keeps private can change without breaking them."""
+    private = core_private_names()
+    assert "_execute" in private and "_read_owned" in private, "the core's private names were not found"
+    roots = [PACKAGE / a for a in ADAPTERS] + [PACKAGE.parent / "tgi_patch"]
+    assert private_reaches(roots, private) == []
+
+
+def test_the_rule_on_adapters(tmp_path: Path) -> None:
+    """What the rule catches: a private import from the core, a private name of the core reached on
+    an object; what it lets pass: the adapter's own privates, and the core's public names."""
+    core = tmp_path / "vllm_fastload"
+    (core / "model").mkdir(parents=True)
+    (core / "api.py").write_text("class FastCheckpoint:\n"
+                                 "    def _read_into(self): self._stats = 1\n"
+                                 "    def read_into(self): return self._read_into()\n"
+                                 "_CACHE = {}\n")
+    (core / "model" / "rank.py").write_text("from vllm_fastload.api import FastCheckpoint, _CACHE\n"
+                                            "def _own(ckpt):\n"
+                                            "    ckpt.read_into()\n"
+                                            "    ckpt._read_into()\n"
+                                            "    return ckpt._stats, _own\n")
+    private = core_private_names(core)
+    assert private == {"_read_into", "_stats", "_CACHE"}
+    assert private_reaches([core / "model"], private) == ["model/rank.py:1 imports _CACHE",
+                                                          "model/rank.py:4 reaches ._read_into",
+                                                          "model/rank.py:5 reaches ._stats"]

@@ -28,7 +28,7 @@ def _needs_o_direct(path: Path) -> None:
         os.close(fd)
     if opened is None:
         pytest.skip(f"the filesystem of {path.parent} refuses O_DIRECT: fastload reads it buffered")
-    os.close(opened[0])
+    os.close(opened.fd)
 
 
 @pytest.fixture

@@ -73,13 +73,17 @@ def _worker(rank: int, world: int, port: int, path: str, uneven: bool, cast: boo
             read = {r: d for r, d in targets.items() if not swap.owns(r)}
             seen = []
 
-            def on_tensor(key: str, tensor: torch.Tensor) -> None:
-                if fail is not None and fail[0] == rank and key.startswith(fail[1]):
-                    raise CheckpointError("injected failure", file=path, tensor=key)
-                seen.append(swap.take(key, tensor))
+            class Hooks(vllm_fastload.ReadHooks):
+                def on_tensor(self, request: TensorRequest, tensor: torch.Tensor) -> None:
+                    if fail is not None and fail[0] == rank and request.result_key.startswith(fail[1]):
+                        raise CheckpointError("injected failure", file=path, tensor=request.result_key)
+                    seen.append(swap.take(request, tensor))
+
+                def on_layer_end(self, group) -> None:
+                    swap.layer_done(group)
 
             try:
-                ckpt._read_into(read, extra=swap.row_requests(), on_tensor=on_tensor, on_layer_end=swap.layer_done)
+                ckpt.read_into(read, extra=swap.row_requests(), hooks=Hooks())
             except BaseException as exc:
                 swap.abort(exc)  # as the vLLM loader does
                 raise

@@ -251,14 +251,16 @@ def test_device_memory_stays_within_budget(tmp_path: Path, backend: str, dest_la
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         if dest_layout == "iter":
-            for key, view in ckpt.iter_tensors():
+            stream = ckpt.iter_tensors()
+            for key, view in stream:
                 dests[key].copy_(view)
             del view
+            stats = stream.stats
         else:
-            ckpt.read_into(targets)
+            stats = ckpt.read_into(targets)
         torch.cuda.synchronize()
         extra = torch.cuda.max_memory_allocated() - base
-        assert ckpt.last_stats.oversize_tensors == 0
+        assert stats.oversize_tensors == 0
         assert ckpt.reader.staging_bytes <= budget // 4
         assert extra <= budget - ckpt.reader.staging_bytes, f"{extra} bytes beyond the destinations"
         if dest_layout == "direct":
@@ -284,11 +286,13 @@ def test_kept_views_never_change_on_gpu(tmp_path: Path, backend: str):
     tensors = {f"model.layers.{i}.w": random_tensor((32, 32), torch.bfloat16, i) for i in range(24)}
     save(tmp_path / "m.safetensors", tensors)
     with open_ckpt(tmp_path, dict(GPU_CONFIGS["small"], backend=backend), device="cuda") as ckpt:
-        kept = list(ckpt.iter_tensors())
-        assert ckpt.last_stats.buffers_handed_over > 0
+        stream = ckpt.iter_tensors()
+        kept = list(stream)
+        assert stream.stats.buffers_handed_over > 0
         for _ in range(2):
-            copies = {k: v.clone() for k, v in ckpt.iter_tensors()}
-        assert ckpt.last_stats.buffers_handed_over == 0
+            stream = ckpt.iter_tensors()
+            copies = {k: v.clone() for k, v in stream}
+        assert stream.stats.buffers_handed_over == 0
         torch.cuda.synchronize()
         for key, view in kept:
             assert_bitexact(view, tensors[key], key)
@@ -319,8 +323,9 @@ def test_early_break_on_gpu(tmp_path: Path, backend: str):
                 if i == 2:
                     break
             del _item   # hold nothing: every buffer may be reused
-        got = {k: v.clone() for k, v in ckpt.iter_tensors()}
-        assert ckpt.last_stats.buffers_handed_over == 0
+        stream = ckpt.iter_tensors()
+        got = {k: v.clone() for k, v in stream}
+        assert stream.stats.buffers_handed_over == 0
     for key, want in tensors.items():
         assert_bitexact(got[key], want, key)
 
@@ -334,11 +339,12 @@ def test_queued_gpu_work_on_a_dropped_view_is_not_overwritten(tmp_path: Path, ba
               "memory_budget": 2 << 20}
     with open_ckpt(tmp_path, config, device="cuda") as ckpt:
         out = {}
-        for key, view in ckpt.iter_tensors():
+        stream = ckpt.iter_tensors()
+        for key, view in stream:
             torch.cuda._sleep(1_000_000)     # ~1 ms of spinning queued ahead of the copy
             out[key] = view.clone()          # queued; returns at once
         del view
-        assert ckpt.last_stats.chunks > 8 and ckpt.last_stats.oversize_tensors == 0
+        assert stream.stats.chunks > 8 and stream.stats.oversize_tensors == 0
         torch.cuda.synchronize()
     for key, want in tensors.items():
         assert_bitexact(out[key], want, key)

@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_fastload import TensorRequest
+from vllm_fastload import LoadStats, TensorRequest
 from vllm_fastload.buffers import BufferPool, storage_references
 
 from ._util import assert_bitexact, random_tensor, save
@@ -33,7 +33,7 @@ def open_ckpt(path, config: dict | None = None, device: str = "cpu"):
 N_LAYERS = 24
 TINY = {"threads": 2, "read_size": 4096, "aggregate_size": 4096, "memory_budget": 3 * 4096}
 #: A budget in whole 2 MiB allocation granules: the pool's usual regime (five buffers, see
-#: ``buffers.BUFFERS_IN_USE``, beside the reader's own staging).
+#: ``policy.BUFFERS_IN_USE``, beside the reader's own staging).
 GRANULE = {"threads": 2, "read_size": 4096, "aggregate_size": 4096, "memory_budget": 6 * (2 << 20)}
 POOLS = pytest.mark.parametrize("pool_config", [TINY, GRANULE], ids=["tiny", "granule"])
 
@@ -73,10 +73,16 @@ def count_allocations(ckpt) -> list[int]:
 
 def consume_copies(ckpt, requests=None, **kw) -> dict[str, torch.Tensor]:
     """A well-behaved caller: copy each tensor and drop the view."""
+    return consume_copies_stats(ckpt, requests, **kw)[0]
+
+
+def consume_copies_stats(ckpt, requests=None, **kw) -> tuple[dict[str, torch.Tensor], LoadStats]:
+    """``consume_copies``, and what the read did."""
     out = {}
-    for key, view in ckpt.iter_tensors(requests, **kw):
+    stream = ckpt.iter_tensors(requests, **kw)
+    for key, view in stream:
         out[key] = view.clone()
-    return out
+    return out, stream.stats
 
 
 # -- keeping views -------------------------------------------------------------------------------
@@ -87,12 +93,13 @@ def consume_copies(ckpt, requests=None, **kw) -> dict[str, torch.Tensor]:
 def test_kept_views_never_change(ckpt_dir, threads: int, pool_config: dict):
     root, tensors = ckpt_dir
     with open_ckpt(root, dict(pool_config, threads=threads)) as ckpt:
-        kept = list(ckpt.iter_tensors())
-        handed_over = ckpt.last_stats.buffers_handed_over
-        assert ckpt.last_stats.oversize_tensors == 0
+        stream = ckpt.iter_tensors()
+        kept = list(stream)
+        handed_over = stream.stats.buffers_handed_over
+        assert stream.stats.oversize_tensors == 0
         # The pool had to give buffers up (the caller holds them all): far more chunks than fit.
         assert handed_over > 0
-        assert ckpt.last_stats.chunks > 3
+        assert stream.stats.chunks > 3
         # More loads through the same pool, which now reuses whatever it can.
         for _ in range(2):
             consume_copies(ckpt)
@@ -159,11 +166,11 @@ def test_random_keep_patterns(keep: list[bool], threads: int, slices: bool):
                 else:
                     copied[key] = view.clone()
             del view
-            consume_copies(ckpt)   # reuse everything that can be reused
+            _, stats = consume_copies_stats(ckpt)   # reuse everything that can be reused
             for key, view in {**kept, **copied}.items():
                 assert_bitexact(view, want[key], key)
             if not any(keep):
-                assert ckpt.last_stats.buffers_handed_over == 0
+                assert stats.buffers_handed_over == 0
 
 
 # -- dropping views: buffers are reused ------------------------------------------------------------
@@ -177,8 +184,7 @@ def test_dropped_views_are_reused(ckpt_dir, threads: int, pool_config: dict):
     with open_ckpt(root, config) as ckpt:
         allocations = count_allocations(ckpt)
         for run in range(3):
-            got = consume_copies(ckpt)
-            stats = ckpt.last_stats
+            got, stats = consume_copies_stats(ckpt)
             assert stats.buffers_handed_over == 0
             assert stats.oversize_tensors == 0
             assert stats.peak_buffer_bytes <= config["memory_budget"]
@@ -210,8 +216,7 @@ def test_tiny_budget_is_used_not_bypassed(ckpt_dir):
     root, tensors = ckpt_dir
     config = {"threads": 2, "read_size": 4096, "aggregate_size": 8192, "memory_budget": 64 << 10}
     with open_ckpt(root, config) as ckpt:
-        got = consume_copies(ckpt)
-        stats = ckpt.last_stats
+        got, stats = consume_copies_stats(ckpt)
         assert stats.oversize_tensors == 0
         assert 0 < stats.peak_buffer_bytes <= config["memory_budget"]
     for key, want in tensors.items():
@@ -225,9 +230,10 @@ def test_tensor_larger_than_budget_takes_the_oversize_path(tmp_path: Path):
     save(tmp_path / "m.safetensors", tensors)
     config = {"threads": 2, "read_size": 4096, "aggregate_size": 4096, "memory_budget": 8192}
     with open_ckpt(tmp_path, config) as ckpt:
-        kept = list(ckpt.iter_tensors())
-        assert ckpt.last_stats.oversize_tensors == 1
-        assert ckpt.last_stats.peak_buffer_bytes <= config["memory_budget"]
+        stream = ckpt.iter_tensors()
+        kept = list(stream)
+        assert stream.stats.oversize_tensors == 1
+        assert stream.stats.peak_buffer_bytes <= config["memory_budget"]
         consume_copies(ckpt)
         for key, view in kept:
             assert_bitexact(view, tensors[key], key)
@@ -278,9 +284,9 @@ def test_early_break_stops_cleanly_and_can_read_again(ckpt_dir, stop_after: int,
         del held[1:]  # drop some of what was kept: those buffers become reusable
         # Read everything again, twice: the pool is intact (no leaked accounting, no one-off buffers).
         for _ in range(2):
-            got = consume_copies(ckpt)
-            assert ckpt.last_stats.oversize_tensors == 0
-            assert ckpt.last_stats.peak_buffer_bytes <= config["memory_budget"]
+            got, stats = consume_copies_stats(ckpt)
+            assert stats.oversize_tensors == 0
+            assert stats.peak_buffer_bytes <= config["memory_budget"]
             for k, want in tensors.items():
                 assert_bitexact(got[k], want, k)
         assert_bitexact(held[0][1], tensors[held[0][0]], held[0][0])
@@ -303,9 +309,9 @@ def test_exception_in_consumer_and_dropped_iterator(ckpt_dir, pool_config: dict)
         gc.collect()
         assert all(f.done() for f in futures)
         for _ in range(2):
-            got = consume_copies(ckpt)
-            assert ckpt.last_stats.oversize_tensors == 0
-            assert ckpt.last_stats.buffers_handed_over == 0
+            got, stats = consume_copies_stats(ckpt)
+            assert stats.oversize_tensors == 0
+            assert stats.buffers_handed_over == 0
         for k, want in tensors.items():
             assert_bitexact(got[k], want, k)
 

@@ -39,8 +39,9 @@ def test_cached_tensors_are_views_of_the_file_and_outlive_the_checkpoint(ckpt, m
     path, tensors = ckpt
     submitted = _spy_reads(monkeypatch)
     with open_ckpt(path) as c:
-        kept = dict(c.iter_tensors())
-        stats = c.last_stats
+        stream = c.iter_tensors()
+        kept = dict(stream)
+        stats = stream.stats
     assert submitted == []                        # nothing read into a buffer
     assert stats.bytes_read == sum(t.numel() * t.element_size() for t in tensors.values())
     gc.collect()

@@ -1,5 +1,5 @@
 """A node's share of a checkpoint (``model.node_share``), and early reads of that share only
-(``model.early`` with a layout, ``sources.readahead`` with byte ranges), on checkpoints written
+(``model.early`` with a layout, ``sources.early_reads`` with byte ranges), on checkpoints written
 here: the ranges hold every byte of what the node's ranks hold and nothing of what they do not."""
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from vllm_fastload.checkpoint import Checkpoint
 from vllm_fastload.layers import EMBEDDINGS, LAYER, layer_key
 from vllm_fastload.model import early
 from vllm_fastload.model.node_share import NodeLayout, RankHolding, expert_of, node_share, split_dim
-from vllm_fastload.sources import readahead
+from vllm_fastload.sources import early_reads
 from vllm_fastload.tools.checkpoints import ModelSpec, write_checkpoint
 from vllm_fastload.tools.pagecache import evict
 
-from .test_readahead import _cached_share
+from .test_early_reads import _cached_share
 
 #: Four layers, tensors large enough that one layer is several read-ahead gaps long.
 DENSE = ModelSpec(hidden=256, intermediate=1024, layers=4, heads=4, kv_heads=2, vocab=1000)
@@ -137,8 +137,8 @@ def test_nearby_ranges_are_read_as_one(dense: Path):
     assert merged.read >= exact.read and merged.held == exact.held
     for r in merged.ranges:
         assert all(b[0] - a[1] > policy.EARLY_READS_GAP for a, b in zip(r.spans, r.spans[1:]))
-    assert readahead.coalesce([(10, 20), (0, 5), (25, 30), (18, 19), (40, 40)], 5) == ((0, 30),)
-    assert readahead.coalesce([(0, 5), (11, 12)], 5) == ((0, 5), (11, 12))
+    assert early_reads.coalesce([(10, 20), (0, 5), (25, 30), (18, 19), (40, 40)], 5) == ((0, 30),)
+    assert early_reads.coalesce([(0, 5), (11, 12)], 5) == ((0, 5), (11, 12))
 
 
 def test_early_reads_read_the_node_share_and_say_so(dense: Path, tmp_path: Path, monkeypatch, caplog):

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_fastload import TensorRequest
+from vllm_fastload import TensorRequest, policy
 from vllm_fastload.layers import EMBEDDINGS, FINAL, LAYER, LayerKey, layer_key
 from vllm_fastload.plan import BUFFER_ALIGN, Plan, Rows
 from vllm_fastload.tools.checkpoints import PRESETS, tensor_shapes, write_checkpoint
@@ -72,9 +72,10 @@ def test_dim1_slice_follows_the_cost_rule(one_file, skip: int, strategy: str):
         else:
             assert t.ranges == [(info.start + 16, 7 * 64 + 32)]
             assert t.view_strides == (16, 1)
-        ((_, view),) = [(k, v.clone()) for k, v in ckpt.iter_tensors([req])]
+        stream = ckpt.iter_tensors([req])
+        ((_, view),) = [(k, v.clone()) for k, v in stream]
         assert_bitexact(view, tensors[info_name][:, 4:12])
-        assert ckpt.last_stats.bytes_read == t.read_bytes
+        assert stream.stats.bytes_read == t.read_bytes
 
 
 @given(offset=st.integers(0, 1 << 40), seg=st.integers(1, 1 << 20), gap=st.integers(0, 1 << 20),
@@ -103,7 +104,7 @@ def test_default_cost_rule_comes_from_the_backend(one_file):
     with open_ckpt(root) as ckpt:
         # The host reader moves a slice's rows without landing its gaps where the caller sees
         # them (see host.read_rows), so its plans are exact: never the enclosing rows.
-        assert ckpt.strided_min_skip == ckpt.reader.default_strided_min_skip == 0
+        assert ckpt.strided_min_skip == policy.reader_strided_min_skip(ckpt.reader.name) == 0
         assert planned(ckpt, TensorRequest("model.layers.0.a", 1, 4, 8)).strategy == "strided"
     with open_ckpt(root, {"strided_min_skip": "1KiB"}) as ckpt:
         assert ckpt.strided_min_skip == 1024
@@ -153,7 +154,7 @@ def test_files_and_groups_never_share_a_chunk(tmp_path: Path):
         assert [len(g.chunks) for g in plan.groups] == [2, 1]
         for g in plan.groups:
             for c in g.chunks:
-                assert {t.info.file for t, _ in c.tensors} == {c.file}
+                assert {ct.tensor.info.file for ct in c.tensors} == {c.file}
 
 
 def test_padding_counts_towards_the_aggregate_size(tmp_path: Path):
@@ -200,9 +201,10 @@ def test_chunk_invariants(data, aggregate: int, skip: int):
         with open_ckpt(tmp, config) as ckpt:
             plan = ckpt.plan(reqs)
             check_chunks(plan, aggregate)
-            got = {k: v.clone() for k, v in ckpt.iter_tensors(reqs)}
-            assert ckpt.last_stats.bytes_read == plan.read_bytes
-            assert ckpt.last_stats.chunks == len(plan.chunks)
+            stream = ckpt.iter_tensors(reqs)
+            got = {k: v.clone() for k, v in stream}
+            assert stream.stats.bytes_read == plan.read_bytes
+            assert stream.stats.chunks == len(plan.chunks)
     for r in reqs:
         want = tensors[r.name] if r.dim is None else tensors[r.name].narrow(r.dim, r.start, r.length)
         assert_bitexact(got[r.name], want, r.name)
@@ -217,7 +219,7 @@ def check_chunks(plan: Plan, aggregate: int) -> None:
         for (_, end), (begin, _) in itertools.pairwise(spans):
             assert end <= begin
         assert all(end <= chunk.nbytes for _, end in spans)
-        for t, pos in chunk.tensors:
+        for t, pos in ((ct.tensor, ct.buf_offset) for ct in chunk.tensors):
             itemsize = max(1, t.info.bits // 8)
             assert pos % itemsize == 0
             assert pos + t.read_bytes <= chunk.nbytes
@@ -316,8 +318,9 @@ def test_tp2_rank1_reads_about_half(tmp_path: Path, skip: int):
         assert plan.checkpoint_bytes == total
         assert plan.read_bytes <= 0.6 * total
         assert plan.needed_bytes <= plan.read_bytes
-        got = {k: v.clone() for k, v in ckpt.iter_tensors(reqs)}
-        assert ckpt.last_stats.bytes_read == plan.read_bytes
+        stream = ckpt.iter_tensors(reqs)
+        got = {k: v.clone() for k, v in stream}
+        assert stream.stats.bytes_read == plan.read_bytes
         full = {n: ckpt.get_tensor(n) for n in ckpt.keys()}
     for r in reqs:
         want = full[r.name] if r.dim is None else full[r.name].narrow(r.dim, r.start, r.length)
@@ -364,7 +367,7 @@ def test_direct_destinations_get_chunks_without_buffers(one_file):
         dest = torch.empty(8, 16)
         plan = ckpt.plan(["model.layers.0.a", "model.layers.0.b"], dests={"model.layers.0.a": dest})
         direct = [c for c in plan.chunks if c.direct]
-        assert len(direct) == 1 and direct[0].tensors[0][0].dest is dest
+        assert len(direct) == 1 and direct[0].tensors[0].tensor.dest is dest
         assert plan.largest_chunk == 8 * 16 * 4
         ckpt.read_into({"model.layers.0.a": dest})
         assert_bitexact(dest, tensors["model.layers.0.a"])

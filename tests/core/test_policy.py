@@ -156,7 +156,7 @@ def test_bounce_size(direct_io, budget, threads, read_size, want) -> None:
 def test_staging_slots(budget, read_size, threads, want) -> None:
     assert policy.staging_slots(memory_budget=budget, read_size=read_size, threads=threads) == want
     slot, _ = want
-    assert policy.staging_read_ahead(threads=threads, slot_size=slot) == 2 * threads * slot
+    assert policy.staging_in_flight(threads=threads, slot_size=slot) == 2 * threads * slot
 
 
 @pytest.mark.parametrize("planned,gap,count,cached,want", [
@@ -176,7 +176,7 @@ def test_read_through_gaps(planned, gap, count, cached, want) -> None:
                                                      (None, False, 4096)])
 def test_strided_min_skip(configured, remote, want) -> None:
     assert policy.strided_min_skip(configured=configured, remote=remote, coalesce_gap=1 << 20,
-                                   reader_default=4096) == want
+                                   backend="cuda") == want
 
 
 def test_filesystem_defaults() -> None:
@@ -287,3 +287,20 @@ def test_each_outcome_is_logged_once_with_its_facts(caplog) -> None:
     lines = [r.getMessage() for r in caplog.records]
     assert lines == ["fastload: host reader chunk: direct (cached=False, direct_ok=True)",
                      "fastload: host reader chunk: cached (cached=True)"]
+
+
+@pytest.mark.parametrize("backend,want", [("host", 0), ("cuda", 4096), ("kvikio", 4096)])
+def test_reader_strided_min_skip(backend, want) -> None:
+    assert policy.reader_strided_min_skip(backend) == want
+    assert policy.strided_min_skip(configured=None, remote=False, coalesce_gap=1 << 20, backend=backend) == want
+
+
+@pytest.mark.parametrize("span,needed,want", [(100, 100, True), (200, 100, True), (201, 100, False), (0, 0, True)])
+def test_advise_whole_span(span, needed, want) -> None:
+    assert policy.advise_whole_span(span=span, needed=needed) is want
+
+
+@pytest.mark.parametrize("span,want", [(64 * 4096, False), (64 * 4096 + 1, True), (4096, False)])
+def test_sample_for_holes(span, want) -> None:
+    assert policy.sample_for_holes(span=span, page=4096) is want
+

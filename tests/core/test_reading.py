@@ -151,13 +151,14 @@ def check_case(case: Case, config: dict, device: str = "cpu") -> None:
 
             # iter_tensors: every key once, right values (views compared before any copy).
             seen = []
-            for key, view in ckpt.iter_tensors(case.requests):
+            stream = ckpt.iter_tensors(case.requests)
+            for key, view in stream:
                 assert_bitexact(view, wants[key], f"iter_tensors {key}")
                 seen.append(key)
             assert sorted(seen) == sorted(wants)
             for strategy in ckpt.plan(case.requests).strategy_counts():
                 event(f"strategy {strategy}")
-            stats = ckpt.last_stats
+            stats = stream.stats
             event(f"chunks > 1: {stats.chunks > 1}")
             event(f"oversize: {stats.oversize_tensors > 0}")
 
@@ -411,7 +412,7 @@ def test_reads_into_destinations_queue_as_far_ahead_as_the_reader_asks(tmp_path:
 
     tensors = {f"model.layers.{i}.w": random_tensor((1024,), torch.float32, i) for i in range(12)}
     save(tmp_path / "m.safetensors", tensors)
-    monkeypatch.setattr(host.HostReader, "direct_read_ahead", property(lambda self: ahead))
+    monkeypatch.setattr(host.HostReader, "direct_in_flight", property(lambda self: ahead))
     with open_ckpt(tmp_path, {"aggregate_size": 4096, "read_size": 4096, "threads": 2}) as ckpt:
         reader, depth, most = ckpt.reader, [0], [0]
         submit = reader.submit

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_fastload import TensorRequest
+from vllm_fastload import TensorRequest, policy
 from vllm_fastload.errors import ReadError
 from vllm_fastload.libc import releasing_gil
 from vllm_fastload.plan import Rows
@@ -231,7 +231,7 @@ def test_populate_faults_in_fresh_memory_once():
     region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     t = torch.frombuffer(region, dtype=torch.uint8)
     address = t.data_ptr()
-    assert not memory.populate(address, memory.MIN_BYTES - 1)     # too small to bother
+    assert not memory.populate(address, policy.MIN_POPULATE_BYTES - 1)     # too small to bother
     did = memory.populate(address, size)
     if not memory._supported:
         pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14): reads fault as usual")
@@ -280,7 +280,7 @@ def test_cache_probe_and_advice(tmp_path: Path, monkeypatch):
     fd = os.open(path, os.O_RDONLY)
     try:
         os.pread(fd, 1 << 20, 0)                       # just written and read: cached
-        calls = [(8, 4096, torch.empty(4096, dtype=torch.uint8))]
+        calls = [ReadCall(8, 4096, torch.empty(4096, dtype=torch.uint8))]
         assert host.cached_calls(fd, calls) is hasattr(os, "RWF_NOWAIT")
         monkeypatch.setattr(host, "_cached", lambda fd, offsets: False)
         assert host.cached_calls(fd, calls) is False
@@ -340,7 +340,8 @@ def test_gpu_staging_packs_rows_and_ranges_into_a_slot(wide, gaps: bool):
         batch = [ReadCall(start, 100, "head"), RowsCall(rows, "rows"), ReadCall(start + 192, 8, "tail")]
         slot = torch.zeros(100 + 700 * 32 + 8, dtype=torch.uint8)
         placed = fill_slot(sf, memoryview(slot.numpy()), batch, read_size=64)
-    assert placed == [(0, 100, "head"), (100, 700 * 32, "rows"), (100 + 700 * 32, 8, "tail")]
+    assert [(p.offset, p.length, p.dest) for p in placed] == [(0, 100, "head"), (100, 700 * 32, "rows"),
+                                                              (100 + 700 * 32, 8, "tail")]
     assert torch.equal(slot[:100], raw.flatten()[:100])
     assert torch.equal(slot[100:100 + 700 * 32].reshape(700, 32), raw[10:710, 64:96])
     assert torch.equal(slot[-8:], raw[1, :8])

@@ -15,6 +15,7 @@ import traceback
 from pathlib import Path
 
 import pytest
+from obstore import exceptions as obstore_errors
 
 from vllm_fastload.checkpoint import read_safetensors_file
 from vllm_fastload.errors import (
@@ -28,16 +29,9 @@ from vllm_fastload.errors import (
     TruncatedFileError,
 )
 from vllm_fastload.sources import ObjectURI, RemoteConfig, is_remote
-from vllm_fastload.sources.object_store import (
-    coalesce,
-    discover,
-    list_objects,
-    map_error,
-    open_store,
-    read_safetensors_header,
-    read_safetensors_headers,
-    scrub,
-)
+from vllm_fastload.sources.object_store import coalesce, list_objects, open_store
+from vllm_fastload.sources.remote_checkpoint import discover, read_safetensors_header, read_safetensors_headers
+from vllm_fastload.sources.store_errors import map_error, scrub
 
 from .s3server import SECRET, free_port
 
@@ -140,14 +134,15 @@ def test_clients_for_every_family(monkeypatch) -> None:
 
 def test_store_errors_are_typed_and_scrubbed(monkeypatch) -> None:
     monkeypatch.setenv("AWS_SESSION_TOKEN", SECRET)
-    exc = map_error(RuntimeError(f"Error performing GET http://h/b/k?X-Amz-Security-Token={SECRET} - Server "
-                                 f"returned non-2xx status code: 403 Forbidden: <Error><Code>ExpiredToken</Code>"
-                                 f"<Token>{SECRET}</Token></Error>\n\nDebug source: {SECRET}"),
-                    "s3://b/k", "GET bytes 0-9", tensor="w")
+    exc = map_error(obstore_errors.PermissionDeniedError(
+        f"Error performing GET http://h/b/k?X-Amz-Security-Token={SECRET} - Server returned non-2xx status code: "
+        f"403 Forbidden: <Error><Code>ExpiredToken</Code><Token>{SECRET}</Token></Error>\n\nDebug source: {SECRET}"),
+        "s3://b/k", "GET bytes 0-9", tensor="w")
     check_error(exc, AccessDeniedError, "s3://b/k", "w")
     assert "ExpiredToken" in str(exc)
     assert isinstance(map_error(FileNotFoundError("gone"), "s3://b/k", "HEAD"), MissingFileError)
-    timeout = RuntimeError("Generic S3 error: error sending request\n\nDebug source:\n HttpError {\n kind: Timeout,")
+    timeout = obstore_errors.GenericError("Generic S3 error: error sending request\n\nDebug source:\n HttpError {\n"
+                                          " kind: Timeout,")
     assert isinstance(map_error(timeout, "s3://b/k", "GET"), StoreUnavailableError)
 
 
@@ -437,7 +432,7 @@ def test_failed_read_waits_for_every_request(s3) -> None:
     store, root = open_store(s3.uri(), {**FAST, "request_size": 4096})
     src = store.open(root.child(SHARD1).key)
     s3.proxy.inject("status", status=403, code="AccessDenied", times=1)
-    future = src.submit_into(0, memoryview(bytearray(65536)), tensor="t")
+    future = src.submit_ranges_into([(0, memoryview(bytearray(65536)))], tensor="t")
     with pytest.raises(AccessDeniedError):
         future.result(BOUND_S)
     n = len(s3.proxy.records)

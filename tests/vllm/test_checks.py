@@ -17,7 +17,7 @@ from vllm_fastload.errors import PlanError
 from vllm_fastload.executor import _direct_calls
 from vllm_fastload.model import reads as reads_module
 from vllm_fastload.model.rank import load_rank
-from vllm_fastload.plan import Chunk, TensorRequest
+from vllm_fastload.plan import Chunk, ChunkTensor, TensorRequest
 from vllm_fastload.tensors import byte_view, view_tensor
 
 CONFIG = FastloadConfig.build({"progress": False})
@@ -180,8 +180,8 @@ def test_a_direct_read_lands_only_in_a_destination_of_its_size(tmp_path):
     with vllm_fastload.open(tmp_path, config=CONFIG) as ckpt:
         plan = ckpt.plan([TensorRequest("a", dim=0, start=1, length=2)])
         (t,) = plan.tensors
-        t.dest = torch.empty(3, 10)  # one row too many
+        t = dataclasses.replace(t, dest=torch.empty(3, 10))  # one row too many
         with pytest.raises(PlanError, match="given a 120-byte destination"):
-            _direct_calls(Chunk(t.info.file, [], 0, [(t, 0)], direct=True))
+            _direct_calls(Chunk(t.info.file, (), 0, (ChunkTensor(t, 0),), direct=True))
     with pytest.raises(ValueError, match="contiguous tensors only"):
         byte_view(torch.empty(4, 4).t())  # reads into a copy would land nowhere

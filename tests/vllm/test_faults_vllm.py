@@ -232,7 +232,7 @@ def _killed_start(model: Path, slow: Path, tmp_path: Path, name: str, kill: str)
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-5000:]
             time.sleep(0.1)
         time.sleep(1.0)  # the ranks are reading: at THROTTLE_BPS their reads take a minute
-        reading = [p for p in _session(proc.pid) if "readahead.py" in p]
+        reading = [p for p in _session(proc.pid) if "early_reads.py" in p]
         assert reading, f"the early reads had ended before the kill: {_session(proc.pid)}"
         killed_at = time.monotonic()
         if kill == "worker":

@@ -26,7 +26,8 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from vllm_fastload.config import FastloadConfig
-from vllm_fastload.model.rank import RankReport, load_rank
+from vllm_fastload.model.rank import load_rank
+from vllm_fastload.model.report import LoadReport
 
 from . import patterns
 from .layers import Case, ThreadCollectives, on_rank, parameter_bytes, vllm_context
@@ -84,7 +85,7 @@ def _write(case: Case, root: Path, files: int, evict: bool) -> str:
     return str(root)
 
 
-def _differences(case: Case, rank: int, want: dict[str, bytes], got: dict[str, bytes], report: RankReport) -> str:
+def _differences(case: Case, rank: int, want: dict[str, bytes], got: dict[str, bytes], report: LoadReport) -> str:
     wrong = [n for n in want if got.get(n) != want[n]]
     if not wrong:
         return ""
@@ -119,7 +120,7 @@ def _check(case: Case, reader: dict, layout: dict, label: str | None = None, **e
     EXAMPLES_RUN[label or case.pattern.split("/")[0]] += 1
 
 
-def _load_every_rank(case: Case, path: str, config: FastloadConfig, models: list) -> list[RankReport]:
+def _load_every_rank(case: Case, path: str, config: FastloadConfig, models: list) -> list[LoadReport]:
     """One rank after the other; with the row exchange, all ranks at once, as threads that swap
     columns through ``ThreadCollectives``."""
     if config.row_exchange != "always" or case.world == 1:

@@ -109,8 +109,8 @@ def test_shards_holding_only_unused_weights_are_not_opened(tmp_path):
     size = SHAPE[0] * SHAPE[1] * 2
     # Where this vLLM's default loader drops shard b (0.32 and later), fastload does not open it either.
     shards_opened = 2 if compat.default_loader_skips_unused_shards() else 3
-    assert loader.report["bytes_total"] == shards_opened * 2 * size, loader.report
-    assert loader.report["bytes_read"] == 3 * size, loader.report  # the unused tensors are never read
+    assert loader.report.bytes_total == shards_opened * 2 * size, loader.report
+    assert loader.report.bytes_read == 3 * size, loader.report  # the unused tensors are never read
 
 
 def test_allow_patterns_overrides_picks_the_files(tmp_path):
@@ -174,7 +174,7 @@ def test_secondary_weights_load_through_vllms_default_loader(tmp_path, caplog):
         loader = _load("fastload", fast, path)
     _assert_same(default, fast)
     assert torch.equal(fast.layers[2].weight, _tensor(2))
-    assert loader.report["fallback_reason"] == "secondary_weights"
+    assert loader.report.fallback_reason == "secondary_weights"
     assert any(f"also loads weights from {tower} (secondary_weights)" in r.getMessage() for r in caplog.records)
 
 

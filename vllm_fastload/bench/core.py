@@ -76,10 +76,10 @@ def main(args: argparse.Namespace) -> int:
 
     def iterate(cfg: vllm_fastload.FastloadConfig) -> int:
         with vllm_fastload.open(model, config=cfg) as ck:
-            for name, t in ck.iter_tensors():
+            stream = ck.iter_tensors()
+            for name, t in stream:
                 dests[name].copy_(t)
-            assert ck.last_stats is not None  # set once the read ends
-            return ck.last_stats.bytes_read
+            return stream.stats.bytes_read
 
     def fastload_iter() -> int:
         return iterate(config)

@@ -755,10 +755,12 @@ def timed_load(model: str, loader: dict, device: str) -> dict:
         marks = _TIMERS.marks
         weights = marks["weights_end"] - marks["weights_begin"]
         init = marks["weights_begin"] - start
-        report = getattr(vllm_loader, "report", None) or {}
+        report = getattr(vllm_loader, "report", None)  # fastload's LoadReport (None: another loader)
         record.update(load_model_s=seconds, load_weights_s=weights, init_s=init, post_s=_TIMERS.post,
-                      rest_s=seconds - init - weights - _TIMERS.post, phases=report.get("phases"),
-                      cached=report.get("cached"), read_bytes=io_after["read_bytes"] - io_before["read_bytes"],
+                      rest_s=seconds - init - weights - _TIMERS.post,
+                      phases=dict(report.phases) if report is not None else None,
+                      cached=report.cached if report is not None else None,
+                      read_bytes=io_after["read_bytes"] - io_before["read_bytes"],
                       rchar=io_after["rchar"] - io_before["rchar"], peak_alloc_bytes=mem.alloc_extra,
                       peak_driver_bytes=mem.driver_extra,
                       weights_bytes=sum(p.numel() * p.element_size() for p in loaded.parameters()))

@@ -64,10 +64,10 @@ def disk_read_gbps(paths: Sequence[str], threads: int = 4, piece: int = 8 << 20)
         fds.append(fd)
         opened = direct.open_direct(fd)
         if opened is not None:
-            fds.append(opened[0])
+            fds.append(opened.fd)
         size = os.fstat(fd).st_size
         for off in range(0, size, piece):
-            tasks.append((opened[0] if opened else fd, off, min(piece, size - off), opened is not None))
+            tasks.append((opened.fd if opened else fd, off, min(piece, size - off), opened is not None))
     local = threading.local()
 
     def read(task: tuple[int, int, int, bool]) -> int:

@@ -58,17 +58,18 @@ def _timed(cls, out_dir: Path):
         result = original(self, model, model_config)
         seconds = time.perf_counter() - start
         io_after = _io()
+        report = getattr(self, "report", None)  # fastload's LoadReport (None: another loader)
         record = {"rank": rank, "loader": type(self).__name__, "load_format": self.load_config.load_format,
                   "seconds": seconds, "rchar": io_after["rchar"] - io_before["rchar"],
                   "read_bytes": io_after["read_bytes"] - io_before["read_bytes"],
                   "rss_before_kb": rss_before, "hwm_after_kb": status_kb("VmHWM"),
                   "cpus": len(os.sched_getaffinity(0)),
                   # fastload's own split of the time (probe, plan, read, post, ...), as in its log line
-                  "phases": (getattr(self, "report", None) or {}).get("phases"),
+                  "phases": dict(report.phases) if report is not None else None,
                   # the share of the checkpoint in the page cache as fastload's load began
-                  "cached": (getattr(self, "report", None) or {}).get("cached"),
+                  "cached": report.cached if report is not None else None,
                   # the share of the tensors its plan reads in the page cache as its reads began
-                  "own_cached": (getattr(self, "report", None) or {}).get("own_cached")}
+                  "own_cached": report.own_cached if report is not None else None}
         (out_dir / f"rank{rank}-{os.getpid()}-{next(_loads)}.json").write_text(json.dumps(record))
         return result
 

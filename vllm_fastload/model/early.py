@@ -64,7 +64,7 @@ class Start:
     nodes: int = 1
     layout: NodeLayout | None = None
     #: Where the engine's start-up may leave no idle CPU time: the seconds the reading process may
-    #: wait for a CPU before it leaves idle priority (``sources.readahead.read_ahead``); None keeps
+    #: wait for a CPU before it leaves idle priority (``sources.early_reads.start_reading``); None keeps
     #: it at idle priority throughout.
     starved_s: float | None = None
 
@@ -84,8 +84,8 @@ def start(engine: str, settings: Callable[[], Start]) -> None:
 
 
 def _start(start: Start, engine: str) -> None:
+    from vllm_fastload.sources.early_reads import LoadMarks, start_reading
     from vllm_fastload.sources.memory_limits import memory_limits
-    from vllm_fastload.sources.readahead import LoadMarks, read_ahead
 
     path, local_ranks = start.path, start.local_ranks
     if os.environ.get(STARTED_ENV) == path or _is_rank() or local_ranks < 1:
@@ -115,8 +115,8 @@ def _start(start: Start, engine: str) -> None:
     os.environ[MARKS_ENV] = marks.directory
     reads = None
     try:
-        reads = read_ahead(files if share is None else share.ranges, limit=memory.allowed, hold=marks, hold_s=HOLD_S,
-                           starved_s=start.starved_s)
+        reads = start_reading(files if share is None else share.ranges, limit=memory.allowed, hold=marks, hold_s=HOLD_S,
+                              starved_s=start.starved_s)
     finally:
         if reads is None:
             marks.remove()
@@ -256,7 +256,7 @@ def load_ends() -> None:
 def _mark(*, ended: bool) -> None:
     directory = os.environ.get(MARKS_ENV)
     if directory:
-        from vllm_fastload.sources.readahead import mark_load
+        from vllm_fastload.sources.early_reads import mark_load
 
         mark_load(directory, ended=ended)
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from vllm_fastload.format import TensorInfo
 from vllm_fastload.layers import EMBEDDINGS, LAYER, layer_key
 from vllm_fastload.sizes import ceil_div
-from vllm_fastload.sources.readahead import FileRanges, coalesce
+from vllm_fastload.sources.early_reads import FileRanges, coalesce
 
 #: Modules whose weights (and biases) tensor parallelism splits along dim 0 (column-parallel).
 COLUMN = ("q_proj", "k_proj", "v_proj", "qkv_proj", "gate_proj", "up_proj", "gate_up_proj", "w1", "w3",
@@ -135,7 +135,7 @@ def node_share(tensors: Mapping[str, TensorInfo], headers: Mapping[str, int], la
                gap: int) -> NodeShare:
     """The ranges of each file that ``layout``'s ranks read: the header (``headers``: file -> its
     data offset) and the tensors, or estimated slices of them, the node's ranks hold; ranges at
-    most ``gap`` bytes apart read as one (``readahead.coalesce``)."""
+    most ``gap`` bytes apart read as one (``early_reads.coalesce``)."""
     spans: dict[str, list[tuple[int, int]]] = {file: [(0, offset)] for file, offset in headers.items()}
     outside: dict[str, list[tuple[int, int]]] = {}
     held = 0

@@ -43,7 +43,7 @@ class Narrow:
     length: int
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)  # identity: it holds a tensor (no elementwise ==)
 class Placement:
     """One write the model's loader made: a view of checkpoint tensor ``source`` into ``dest``."""
 
@@ -95,16 +95,21 @@ class Placement:
         self.dest.copy_(src)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ProbeResult:
-    placements: dict[str, list[Placement]] = field(default_factory=dict)
-    loaded_params: set[str] | None = None
-    unsupported: list[str] = field(default_factory=list)
+    """What the probe learnt of the model's loading on this rank."""
+
+    #: checkpoint tensor -> the writes its data made, in order.
+    placements: Mapping[str, tuple[Placement, ...]] = field(default_factory=dict)
+    #: What the model's ``load_weights`` said it loaded (None: it says nothing).
+    loaded_params: frozenset[str] | None = None
+    #: Why the probe cannot describe the loading (empty: it can).
+    unsupported: tuple[str, ...] = ()
     #: parameter -> elements written (copies and fills); writes never overlap (checked).
-    covered: dict[str, int] = field(default_factory=dict)
-    numel: dict[str, int] = field(default_factory=dict)
+    covered: Mapping[str, int] = field(default_factory=dict)
+    numel: Mapping[str, int] = field(default_factory=dict)
     #: The model's parameters (one name per distinct memory, as indexed), buffers left out.
-    parameters: set[str] = field(default_factory=set)
+    parameters: frozenset[str] = frozenset()
 
     def never_written(self) -> list[str]:
         """Parameters no write of the checkpoint reached: for an engine whose default loader does
@@ -239,11 +244,6 @@ class _Region:
                    for (lo_a, hi_a), (lo_b, hi_b) in zip(self.box.ranges, other.box.ranges))
 
 
-def _overlap(a: torch.Tensor, b: torch.Tensor, origin: int) -> bool:
-    """Whether two views of one parameter (starting at ``origin``) share an element."""
-    return _Region.of(a, origin).overlaps(_Region.of(b, origin))
-
-
 #: Torch functions whose every output element is a copy of one input element chosen by shapes and
 #: arguments only, never by values: their results are still "bytes from one tensor".
 _MOVES = frozenset({
@@ -315,7 +315,9 @@ def _replace(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 
 
 class _Recorder(TorchFunctionMode):
-    def __init__(self, placeholders: Mapping[str, torch.Tensor], memory: _MemoryIndex, result: ProbeResult) -> None:
+    """Records the writes of the model's loading while it runs: what becomes the ``ProbeResult``."""
+
+    def __init__(self, placeholders: Mapping[str, torch.Tensor], memory: _MemoryIndex) -> None:
         super().__init__()
         #: meta storage id -> checkpoint name, and -> the tensor's shape
         self.placeholders = {ph.untyped_storage()._cdata: name for name, ph in placeholders.items()}
@@ -325,7 +327,9 @@ class _Recorder(TorchFunctionMode):
         #: layer repeats the same derivation, so the index arithmetic runs once per distinct one.
         self.views: dict[tuple[object, ...], Geometry | None] = {}
         self.memory = memory
-        self.result = result
+        self.placements: dict[str, list[Placement]] = {}
+        self.unsupported: list[str] = []
+        self.covered: dict[str, int] = {}
         #: parameter -> [(region written, the copy that wrote it or None for a fill)]
         self.written: dict[str, list[tuple[_Region, Placement | None]]] = {}
         #: meta storages a loader changed in place (``loaded_weight.zero_()``): their values are no
@@ -401,17 +405,17 @@ class _Recorder(TorchFunctionMode):
         name = self._source(src)
         owner = self.memory.owner(dest, refresh=True)
         if name is None:
-            self.result.unsupported.append(
+            self.unsupported.append(
                 f"a tensor computed from checkpoint data (not a view of one tensor) is copied into "
                 f"{owner or 'a non-parameter tensor'}")
             return
         if owner is None:
-            self.result.unsupported.append(f"{name} is copied into a tensor that is not a model parameter")
+            self.unsupported.append(f"{name} is copied into a tensor that is not a model parameter")
             return
         if src.untyped_storage()._cdata in self.derived:
             view = self._derived_view(dest, src)
             if view is None:
-                self.result.unsupported.append(
+                self.unsupported.append(
                     f"{name} reaches {owner} through a reshaping the probe cannot describe as a strided view")
                 return
             placement = Placement(name, dest, owner, view.shape, view.strides, view.offset, reshape=True)
@@ -420,7 +424,7 @@ class _Recorder(TorchFunctionMode):
         if not self._claim(owner, dest, f"{owner} is written twice in overlapping regions (last: {name})",
                            placement):
             return
-        self.result.placements.setdefault(name, []).append(placement)
+        self.placements.setdefault(name, []).append(placement)
 
     def __torch_function__(self, func: Callable[..., Any], types: Collection[type], args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
@@ -440,7 +444,7 @@ class _Recorder(TorchFunctionMode):
             self._derive(func, args, kwargs, out)
             return out
         if name == "__set__" and any(_is_meta(a) for a in args[1:]):
-            self.result.unsupported.append("a weight loader replaces a parameter's .data")
+            self.unsupported.append("a weight loader replaces a parameter's .data")
             return None
         if name.endswith("_") and not name.startswith("__") and args and isinstance(args[0], torch.Tensor) \
                 and not args[0].is_meta and (owner := self.memory.owner(args[0])) is not None:
@@ -454,20 +458,20 @@ class _Recorder(TorchFunctionMode):
         """An in-place op on the model's tensor ``owner``: refused where it uses checkpoint data or
         changes it after its copy; a fill is a write that a checkpoint copy may not overlap."""
         if any(_is_meta(a) for a in args[1:]):
-            self.result.unsupported.append(f"in-place {name} on {owner} uses checkpoint data")
+            self.unsupported.append(f"in-place {name} on {owner} uses checkpoint data")
             return args[0]
         source = self._checkpoint_holder((args[1:], kwargs))
         if source is not None:
             # Computed from what the checkpoint put in another tensor (Gemma's norm buffer =
             # weight + 1): the placeholders never put those values there, so no replay would.
-            self.result.unsupported.append(f"{owner} is computed by {name} from the checkpoint data copied into "
+            self.unsupported.append(f"{owner} is computed by {name} from the checkpoint data copied into "
                                            f"{source} (a derived tensor)")
         elif name in ("fill_", "zero_", "copy_"):
             # Known values written here now, and kept: a checkpoint copy may not overlap them.
             self._claim(owner, args[0], f"{owner} is overwritten by {name} after checkpoint data was copied "
                                         "into it (a loader that transforms what it loaded)")
         elif _mutates(name) and self._holds_checkpoint_data(owner, args[0]):
-            self.result.unsupported.append(
+            self.unsupported.append(
                 f"in-place {name} on {owner} changes checkpoint data after its copy (a computed weight)")
         return func(*args, **kwargs)
 
@@ -506,15 +510,15 @@ class _Recorder(TorchFunctionMode):
         for k, (other, earlier) in enumerate(entries):
             if region.overlaps(other):
                 if placement is not None and earlier is not None and other.key == region.key:
-                    self.result.placements[earlier.source].remove(earlier)
-                    if not self.result.placements[earlier.source]:
-                        del self.result.placements[earlier.source]
+                    self.placements[earlier.source].remove(earlier)
+                    if not self.placements[earlier.source]:
+                        del self.placements[earlier.source]
                     entries[k] = (region, placement)
                     return True
-                self.result.unsupported.append(overlap_reason)
+                self.unsupported.append(overlap_reason)
                 return False
         entries.append((region, placement))
-        self.result.covered[owner] = self.result.covered.get(owner, 0) + dest.numel()
+        self.covered[owner] = self.covered.get(owner, 0) + dest.numel()
         return True
 
 
@@ -522,26 +526,26 @@ def probe_model(model: nn.Module, tensors: Mapping[str, tuple[tuple[int, ...], t
                 load_weights: LoadWeights | None = None) -> ProbeResult:
     """Run ``model.load_weights`` (or the engine's ``load_weights`` wrapper) over placeholders for
     ``tensors`` (name -> (shape, dtype))."""
-    result = ProbeResult()
     memory = _MemoryIndex(model)
     meta_before = set(memory.meta)
     # Made before the recorder starts, so that it sees only the model's own torch calls; alive
     # until the probe ends, so that no other meta storage reuses their ids.
     placeholders = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (shape, dtype) in tensors.items()}
-    recorder = _Recorder(placeholders, memory, result)
+    recorder = _Recorder(placeholders, memory)
     try:
         with recorder:
             loaded = (load_weights or own_load_weights(model))(iter(placeholders.items()))
     except Exception as exc:
-        result.unsupported.append(f"load_weights cannot run on placeholders: {type(exc).__name__}: {exc}")
-        return result
-    result.loaded_params = set(loaded) if loaded is not None else None
-    result.numel = memory.numel  # after the probe: includes parameters registered during it
-    result.parameters = memory.parameters
+        why = f"load_weights cannot run on placeholders: {type(exc).__name__}: {exc}"
+        return ProbeResult(unsupported=(*recorder.unsupported, why))
     leftovers = [n for n in _tensors_of(model).meta if n not in meta_before]
     if leftovers:
-        result.unsupported.append(f"placeholders were kept by the model: {', '.join(leftovers[:5])}")
-    return result
+        recorder.unsupported.append(f"placeholders were kept by the model: {', '.join(leftovers[:5])}")
+    return ProbeResult(placements={name: tuple(ps) for name, ps in recorder.placements.items()},
+                       loaded_params=frozenset(loaded) if loaded is not None else None,
+                       unsupported=tuple(recorder.unsupported), covered=dict(recorder.covered),
+                       # after the probe: includes parameters registered during it
+                       numel=dict(memory.numel), parameters=frozenset(memory.parameters))
 
 
 @dataclass

@@ -21,7 +21,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -29,75 +29,21 @@ import torch
 from torch import nn
 
 from vllm_fastload import exchange, policy
-from vllm_fastload.api import FastCheckpoint
+from vllm_fastload.api import FastCheckpoint, ReadHooks
 from vllm_fastload.config import FastloadConfig, reader_cpu_count
 from vllm_fastload.errors import CheckpointError
 from vllm_fastload.events import Countdown
+from vllm_fastload.executor import LoadStats
 from vllm_fastload.format import TensorInfo
 from vllm_fastload.model.probe import LoadWeights, Placement, ProbeResult, own_load_weights, probe_model
 from vllm_fastload.model.reads import RankReads, plan_reads
+from vllm_fastload.model.report import LoadReport
 from vllm_fastload.plan import LayerGroup, Plan, TensorRequest
 from vllm_fastload.readers.memory import Prefault
 from vllm_fastload.tensors import dtype_of, shape_of
 
 # The core's logger: the adapters show its lines in their engine's log.
 logger = logging.getLogger("vllm_fastload")
-
-
-@dataclass
-class RankReport:
-    """What one rank's load did (the loader logs it; tests and ``verify`` read it)."""
-
-    rank: int
-    world: int
-    planned: bool
-    fallback_reason: str | None
-    #: Parameter names the model's ``load_weights`` reported (None: it reports none).
-    loaded: set[str] | None
-    bytes_read: int
-    bytes_kept: int | None
-    bytes_total: int
-    backend: str
-    seconds: float
-    summary: str
-    #: How many tensors took each way in (see ``reads.RankReads.paths``; "load_weights": read
-    #: whole and handed to the model, "exchange": shared row reads).
-    paths: dict[str, int]
-    #: Seconds of the load's parts: "probe" (learning the writes), "plan", "check" (the plan's
-    #: checks), "read" (reading into the parameters, replays included), "replay" (of which replays).
-    phases: dict[str, float]
-    #: The share of the checkpoint in the page cache as the load began (early reads, or a warm
-    #: cache); None where it cannot be told (object stores).
-    cached: float | None = None
-    #: The share of the tensors this rank's plan reads in the page cache as its reads began (None:
-    #: no plan, or it cannot be told); where nodes read only their share early, the figure that
-    #: says whether those reads served this rank.
-    own_cached: float | None = None
-    #: Parameters no checkpoint write reached on the planned path (``ProbeResult.never_written``).
-    never_written: list[str] = field(default_factory=list)
-
-    def as_dict(self, post_processed: int = 0) -> dict[str, object]:
-        """What the engine loaders keep as their ``report`` (for tests and ``verify``);
-        ``post_processed``: modules post-processed as their layer completed."""
-        return {"rank": self.rank, "world": self.world, "planned": self.planned,
-                "fallback_reason": self.fallback_reason, "bytes_read": self.bytes_read,
-                "bytes_kept": self.bytes_kept, "bytes_total": self.bytes_total, "summary": self.summary,
-                "post_processed": post_processed, "phases": self.phases, "cached": self.cached,
-                "own_cached": self.own_cached}
-
-    def line(self) -> str:
-        """The rank's log line."""
-        share = self.bytes_read / max(self.bytes_total, 1)
-        kept = (f", {self.bytes_read / self.bytes_kept:.3f}x the {self.bytes_kept / 1e6:.1f} MB it keeps"
-                if self.bytes_kept else "")
-        phases = ", ".join(f"{k} {v:.3f}" for k, v in self.phases.items())
-        cached = f"; {self.cached:.0%} of it in the page cache as the load began" if self.cached is not None else ""
-        if self.cached is not None and self.own_cached is not None:
-            cached += f" ({self.own_cached:.0%} of the tensors this rank reads)"
-        return (f"fastload rank {self.rank}/{self.world}: read {self.bytes_read / 1e6:.1f} MB of "
-                f"{self.bytes_total / 1e6:.1f} MB checkpoint ({share:.3f}{kept}) with backend {self.backend} in "
-                f"{self.seconds:.2f} s ({self.bytes_read / max(self.seconds, 1e-9) / 1e9:.2f} GB/s; seconds: "
-                f"{phases}{cached}); {self.summary}")
 
 
 class ParameterListener(Protocol):
@@ -114,7 +60,7 @@ class ParameterListener(Protocol):
 def load_rank(model: nn.Module, path: str | list[str], config: FastloadConfig, *,
               device: torch.device | str = "cpu", rank: int = 0, world: int = 1,
               collectives: exchange.Collectives | None = None, show_progress: bool = False,
-              listener: ParameterListener | None = None, load_weights: LoadWeights | None = None) -> RankReport:
+              listener: ParameterListener | None = None, load_weights: LoadWeights | None = None) -> LoadReport:
     """Fill ``model``'s parameters from the checkpoint at ``path`` (or exactly the files listed) as
     this rank's ``load_weights`` would.
 
@@ -155,7 +101,7 @@ class _Load:
     decisions: policy.DecisionLog
     phases: dict[str, float] = field(default_factory=dict)
 
-    def run(self) -> RankReport:
+    def run(self) -> LoadReport:
         start = time.perf_counter()
         whole = whole_reads_config(self.config, self.world)
         with self.open(self.config if self.config.plan_per_rank else whole) as ckpt:
@@ -164,20 +110,19 @@ class _Load:
             self.sharing.decide(self.config, ckpt, infos)
             tensors = {name: (shape_of(info), dtype_of(info)) for name, info in infos.items()}
             probe = (probe_model(self.model, tensors, self.load_weights) if self.config.plan_per_rank else
-                     ProbeResult(unsupported=["plan_per_rank is false in the fastload config"]))
+                     ProbeResult(unsupported=("plan_per_rank is false in the fastload config",)))
             self.phases["probe"] = time.perf_counter() - start
             if probe.unsupported:
                 outcome = self.read_whole(ckpt, whole, probe.unsupported[0], len(infos))
             else:
                 outcome = self.read_planned(ckpt, probe, infos)
-            stats = ckpt.last_stats
-        return RankReport(rank=self.rank, world=self.world, planned=not probe.unsupported,
+        return LoadReport(rank=self.rank, world=self.world, planned=not probe.unsupported,
                           fallback_reason=probe.unsupported[0] if probe.unsupported else None,
-                          loaded=outcome.loaded, bytes_read=stats.bytes_read if stats else 0,
+                          loaded=outcome.loaded, bytes_read=outcome.stats.bytes_read,
                           bytes_kept=outcome.kept, bytes_total=ckpt.checkpoint.total_bytes,
                           backend=outcome.backend, seconds=time.perf_counter() - start, summary=outcome.summary,
                           paths=outcome.paths, phases=self.phases, cached=cached, own_cached=outcome.own_cached,
-                          never_written=[] if probe.unsupported else probe.never_written())
+                          never_written=() if probe.unsupported else tuple(probe.never_written()))
 
     def open(self, config: FastloadConfig) -> FastCheckpoint:
         return FastCheckpoint(self.path, config=config, device=self.device, show_progress=self.show_progress)
@@ -191,14 +136,15 @@ class _Load:
         self.decisions.note("direct_io for whole reads", whole.direct_io, configured=self.config.direct_io,
                             world=self.world)
         if not self.config.plan_per_rank or whole is self.config:  # opened with ``whole`` already
-            loaded, summary = self.through_model(ckpt)
+            loaded, stats = self.through_model(ckpt)
             backend = ckpt.reader.name
         else:
             with self.open(whole) as again:
-                loaded, summary = self.through_model(again)
-                ckpt.last_stats, backend = again.last_stats, again.reader.name
+                loaded, stats = self.through_model(again)
+                backend = again.reader.name
         self.phases["read"] = time.perf_counter() - reading
-        return _Outcome(loaded, None, backend, summary, {"load_weights": tensors})
+        return _Outcome(loaded, None, backend, "all tensors read whole through load_weights",
+                        {"load_weights": tensors}, stats)
 
     def read_planned(self, ckpt: FastCheckpoint, probe: ProbeResult, infos: dict[str, TensorInfo]) -> _Outcome:
         """This rank's bytes read into the parameters by its plan, the rest replayed."""
@@ -210,17 +156,18 @@ class _Load:
         own_cached = ckpt.cached_share({req.name for req in [*reads.targets, *reads.slabs]})
         reading = time.perf_counter()
         readiness = _Readiness(probe.placements, self.listener) if self.listener is not None else None
-        summary, exchanged = _load_planned(ckpt, reads, self.sharing, readiness)
+        hooks = _RankHooks(reads, readiness)
+        summary, exchanged, stats = _load_planned(ckpt, reads, self.sharing, hooks)
         post = readiness.seconds if readiness is not None else 0.0
-        self.phases.update(plan=reading - planning, check=reads.check_seconds,
-                           read=time.perf_counter() - reading - reads.check_seconds - post,
-                           replay=reads.replay_seconds)
+        self.phases.update(plan=reading - planning, check=hooks.check_seconds,
+                           read=time.perf_counter() - reading - hooks.check_seconds - post,
+                           replay=hooks.replay_seconds)
         if readiness is not None:
             self.phases["post"] = post
         return _Outcome(probe.loaded_params, reads.kept_bytes, ckpt.reader.name, summary,
-                        {**reads.paths(), "exchange": exchanged}, own_cached)
+                        {**reads.paths(hooks.strategies), "exchange": exchanged}, stats, own_cached)
 
-    def through_model(self, ckpt: FastCheckpoint) -> tuple[set[str] | None, str]:
+    def through_model(self, ckpt: FastCheckpoint) -> tuple[frozenset[str] | None, LoadStats]:
         return _load_through_model(self.model, ckpt, self.load_weights, self.decisions)
 
 
@@ -228,45 +175,66 @@ class _Load:
 class _Outcome:
     """What reading did, for the rank's report."""
 
-    loaded: set[str] | None
+    loaded: frozenset[str] | None
     kept: int | None
-    backend: str
+    backend: policy.Backend
     summary: str
     paths: dict[str, int]
+    stats: LoadStats
     #: The share of the tensors the plan reads in the page cache as the reads began (planned path).
     own_cached: float | None = None
 
 
+class _RankHooks(ReadHooks):
+    """A planned rank's read: its plan checked, its slabs replayed, its row exchange (``swap``, set
+    once the group agreed) fed and swapped per layer, its listener told which parameters are
+    complete; the time the checks and replays take is counted."""
+
+    def __init__(self, reads: RankReads, readiness: _Readiness | None) -> None:
+        self.reads, self.readiness = reads, readiness
+        self.swap: exchange.RowExchange | None = None
+        #: The read strategies of the checked plan (``Plan.strategy_counts``).
+        self.strategies: dict[str, int] = {}
+        self.check_seconds = self.replay_seconds = 0.0
+
+    def check(self, plan: Plan) -> None:
+        start = time.perf_counter()
+        try:
+            self.strategies = plan.strategy_counts()
+            self.reads.check(plan)
+        finally:
+            self.check_seconds += time.perf_counter() - start
+        if self.readiness is not None:
+            self.readiness.planned(plan)
+
+    def on_tensor(self, request: TensorRequest, tensor: torch.Tensor) -> None:
+        if self.swap is not None and self.swap.take(request, tensor):
+            return
+        start = time.perf_counter()
+        self.reads.replay(request.result_key, tensor)
+        self.replay_seconds += time.perf_counter() - start
+
+    def on_layer_end(self, group: LayerGroup) -> None:
+        if self.swap is not None:
+            self.swap.layer_done(group)  # completes the layer's exchanged rows
+        if self.readiness is not None:
+            self.readiness.group_done(group)
+
+
 def _load_planned(ckpt: FastCheckpoint, reads: RankReads, sharing: _Sharing,
-                  readiness: _Readiness | None) -> tuple[str, int]:
-    """Read and replay; the summary, and how many tensors the row exchange delivered."""
+                  hooks: _RankHooks) -> tuple[str, int, LoadStats]:
+    """Read and replay; the summary, how many tensors the row exchange delivered, and what the read did."""
     # No huge-page advice on the parameters: in an engine's worker whose memory is bound to a NUMA
     # node it made the load several times slower, though it speeds filling fresh memory in a plain
     # process (docs/benchmarks.md, Measurements behind the code). (The host reader does fault in
     # parameter pages it is about to overwrite, see readers.memory: that changes no policy.)
     targets, slabs = reads.targets, list(reads.slabs)
-    swap = sharing.agree(targets)
+    swap = hooks.swap = sharing.agree(targets)
     if swap is not None:
         targets = {req: dest for req, dest in targets.items() if not swap.owns(req)}
         slabs += swap.row_requests()
-
-    def on_tensor(key: str, tensor: torch.Tensor) -> None:
-        if swap is None or not swap.take(key, tensor):
-            reads.replay(key, tensor)
-
-    def on_layer_end(group: LayerGroup) -> None:
-        if swap is not None:
-            swap.layer_done(group)  # completes the layer's exchanged rows
-        if readiness is not None:
-            readiness.group_done(group)
-
-    def check(plan: Plan) -> None:
-        reads.check(plan)
-        if readiness is not None:
-            readiness.planned(plan)
-
     try:
-        ckpt._read_into(targets, extra=slabs, on_tensor=on_tensor, on_layer_end=on_layer_end, check=check)
+        stats = ckpt.read_into(targets, extra=slabs, hooks=hooks)
     except BaseException as exc:
         if swap is not None:
             try:
@@ -276,21 +244,22 @@ def _load_planned(ckpt: FastCheckpoint, reads: RankReads, sharing: _Sharing,
         raise
     summary = reads.summary(len(ckpt.keys()))
     if swap is None:
-        return summary, 0
+        return summary, 0, stats
     swap.finish()
     st = swap.stats
     summary += (f"; {st.tensors} sliced tensors read as whole rows shared with the other "
                 f"{swap.world - 1} rank(s) ({st.bytes_sent / 1e6:.3f} MB sent in {st.layers} exchanges, "
                 f"{st.seconds:.2f} s)")
-    return summary, st.tensors
+    return summary, st.tensors, stats
 
 
 def _load_through_model(model: nn.Module, ckpt: FastCheckpoint, load_weights: LoadWeights,
-                        decisions: policy.DecisionLog) -> tuple[set[str] | None, str]:
+                        decisions: policy.DecisionLog) -> tuple[frozenset[str] | None, LoadStats]:
     current: list[str] = []
+    stream = ckpt.iter_tensors()
 
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in ckpt.iter_tensors():
+        for name, tensor in stream:
             current[:] = [name]
             yield name, tensor
 
@@ -310,7 +279,7 @@ def _load_through_model(model: nn.Module, ckpt: FastCheckpoint, load_weights: Lo
         file = ckpt.info(name).file if name else ckpt.checkpoint.source
         raise CheckpointError(f"the model's load_weights could not load this checkpoint tensor: "
                               f"{type(exc).__name__}: {exc}", file=file, tensor=name) from exc
-    return (set(loaded) if loaded is not None else None), "all tensors read whole through load_weights"
+    return (frozenset(loaded) if loaded is not None else None), stream.stats
 
 
 class _Readiness:
@@ -318,7 +287,7 @@ class _Readiness:
     once every planned read of every checkpoint tensor that writes it has been delivered (replays
     and exchanged rows included)."""
 
-    def __init__(self, placements: Mapping[str, list[Placement]], listener: ParameterListener) -> None:
+    def __init__(self, placements: Mapping[str, Sequence[Placement]], listener: ParameterListener) -> None:
         self.listener = listener
         #: checkpoint tensor -> the parameters it writes
         self.writes = {name: sorted({p.parameter for p in ps}) for name, ps in placements.items()}

@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import itertools
 import math
-import time
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -40,26 +39,21 @@ class Replay:
     view: SlabView
 
 
-@dataclass
+@dataclass(frozen=True)
 class RankReads:
     """What one rank reads, and how each byte reaches its parameter."""
 
     infos: Mapping[str, TensorInfo]
     #: checkpoint tensor -> the writes the probe recorded from it on this rank.
-    writes: Mapping[str, list[Placement]]
+    writes: Mapping[str, Sequence[Placement]]
     #: Read straight into the parameter region (or copied into it from a buffer).
-    targets: dict[TensorRequest, torch.Tensor] = field(default_factory=dict)
+    targets: Mapping[TensorRequest, torch.Tensor]
     #: Read into buffers; the writes in ``replays[key]`` are replayed from each.
-    slabs: list[TensorRequest] = field(default_factory=list)
-    replays: dict[str, list[Replay]] = field(default_factory=dict)
+    slabs: tuple[TensorRequest, ...]
+    replays: Mapping[str, tuple[Replay, ...]]
     whole: int = 0
     sliced: int = 0
     replayed: int = 0
-    #: How the checked plan reads its tensors: strategy -> count (``plan.Plan.strategy_counts``).
-    strategies: dict[str, int] = field(default_factory=dict)
-    #: Time spent in ``check`` and in ``replay`` (their share of the load is in the rank's log line).
-    check_seconds: float = 0.0
-    replay_seconds: float = 0.0
 
     @property
     def kept_bytes(self) -> int:
@@ -75,14 +69,6 @@ class RankReads:
     def check(self, plan: Plan) -> None:
         """No checkpoint tensor is read beyond its size (a per-rank plan reads at most the tensors
         it keeps, never more than the checkpoint), and every tensor read is one this rank uses."""
-        start = time.perf_counter()
-        try:
-            self._check(plan)
-        finally:
-            self.check_seconds += time.perf_counter() - start
-
-    def _check(self, plan: Plan) -> None:
-        self.strategies = plan.strategy_counts()
         read: dict[str, int] = {}
         for t in plan.tensors:
             read[t.info.name] = read.get(t.info.name, 0) + t.read_bytes
@@ -96,12 +82,13 @@ class RankReads:
                                 f"{self.describe(name)}): a plan never reads a tensor more than once", file=info.file,
                                 tensor=name)
 
-    def paths(self) -> dict[str, int]:
+    def paths(self, strategies: Mapping[str, int]) -> dict[str, int]:
         """How many tensors took each path: read whole or sliced into parameters, read as slabs (of
-        which as the whole tensor), and the read strategies of the plan that ran."""
+        which as the whole tensor), and the read ``strategies`` of the plan that ran
+        (``Plan.strategy_counts``)."""
         whole_slabs = sum(1 for req in self.slabs if req.dim is None)
         return {"whole": self.whole, "sliced": self.sliced, "slab": self.replayed, "slab:whole": whole_slabs,
-                **self.strategies}
+                **strategies}
 
     def describe(self, name: str) -> str:
         params = sorted({p.parameter for p in self.writes.get(name, [])})
@@ -109,7 +96,6 @@ class RankReads:
 
     def replay(self, key: str, slab: torch.Tensor) -> None:
         """Perform the writes planned on the slab read for ``key``."""
-        start = time.perf_counter()
         for r in self.replays[key]:
             p = r.placement
             try:
@@ -117,7 +103,6 @@ class RankReads:
             except LayoutError as exc:
                 info = self.infos[p.source]
                 raise PlanError(f"parameter {p.parameter}: {exc}", file=info.file, tensor=info.name) from None
-        self.replay_seconds += time.perf_counter() - start
 
     def summary(self, checkpoint_tensors: int) -> str:
         skipped = checkpoint_tensors - len(self.writes)
@@ -129,31 +114,31 @@ class RankReads:
 def plan_reads(probe: ProbeResult, infos: Mapping[str, TensorInfo], strided_min_skip: int) -> RankReads:
     """This rank's reads for the writes ``probe`` recorded; ``strided_min_skip`` as the reader
     will use it (it decides what a slice along a later dim costs)."""
-    reads = RankReads(infos, probe.placements)
+    targets: dict[TensorRequest, torch.Tensor] = {}
+    slabs: list[TensorRequest] = []
+    replays: dict[str, tuple[Replay, ...]] = {}
+    replayed = 0
     for name, placements in probe.placements.items():
         info = infos[name]
         requests = _direct_requests(info, placements, name)
         if requests is not None:
-            for req, dest in requests:
-                reads.targets[req] = dest
-                if req.dim is None:
-                    reads.whole += 1
-                else:
-                    reads.sliced += 1
+            targets.update(requests)
             continue
-        reads.replayed += 1
+        replayed += 1
 
         def read_cost(dim: int | None, start: int, length: int, info: TensorInfo = info) -> int:
             return plan_tensor(info, _request(info, dim, start, length), strided_min_skip).read_bytes
 
         for j, slab in enumerate(plan_slabs(shape_of(info), [p.view for p in placements], read_cost)):
             key = f"{name}#slab{j}"
-            reads.slabs.append(_request(info, slab.dim, slab.start, slab.length, key))
-            reads.replays[key] = [Replay(placements[m.write], m.view) for m in slab.members]
-    return reads
+            slabs.append(_request(info, slab.dim, slab.start, slab.length, key))
+            replays[key] = tuple(Replay(placements[m.write], m.view) for m in slab.members)
+    whole = sum(1 for req in targets if req.dim is None)
+    return RankReads(infos, probe.placements, targets, tuple(slabs), replays, whole=whole,
+                     sliced=len(targets) - whole, replayed=replayed)
 
 
-def _direct_requests(info: TensorInfo, placements: list[Placement],
+def _direct_requests(info: TensorInfo, placements: Sequence[Placement],
                      name: str) -> list[tuple[TensorRequest, torch.Tensor]] | None:
     """Each write as a request read into its parameter region, or None where one is not a whole
     tensor or narrow, cannot take the checkpoint's dtype, or two overlap (read once, as a slab)."""

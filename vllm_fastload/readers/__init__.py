@@ -7,10 +7,11 @@ import torch
 from vllm_fastload import policy
 from vllm_fastload.config import FastloadConfig
 from vllm_fastload.policy import Backend
-from vllm_fastload.readers.base import Call, Pending, ReadCall, Reader, RowsCall
+from vllm_fastload.readers.base import Call, FileWindow, Pending, ReadCall, Reader, RowsCall
 from vllm_fastload.readers.host import HostReader
 
-__all__ = ["Call", "HostReader", "Pending", "ReadCall", "Reader", "RowsCall", "make_reader", "select_backend"]
+__all__ = ["Call", "FileWindow", "HostReader", "Pending", "ReadCall", "Reader", "RowsCall", "make_reader",
+           "select_backend"]
 
 
 def select_backend(config: FastloadConfig, device: torch.device, *, remote: bool = False) -> Backend:

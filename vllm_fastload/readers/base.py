@@ -7,15 +7,16 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
 from vllm_fastload.config import FastloadConfig
 from vllm_fastload.errors import StalledReadError
 from vllm_fastload.format import SafetensorsFile
-from vllm_fastload.plan import Rows
-from vllm_fastload.policy import DecisionLog
+from vllm_fastload.plan import ByteRange, Rows
+from vllm_fastload.policy import Backend, DecisionLog
 from vllm_fastload.readers import threads as reader_threads
 from vllm_fastload.readers.threads import ReaderThreads, thread_pool
 
@@ -38,6 +39,16 @@ class RowsCall(NamedTuple):
 
 #: What a reader is asked to do.
 Call = ReadCall | RowsCall
+
+
+@dataclass(frozen=True, eq=False)  # identity: it holds a tensor (no elementwise ==)
+class FileWindow:
+    """Bytes of a file as a uint8 tensor over a mapping of it, whose views may be handed out
+    instead of reading them (``Reader.mapped``)."""
+
+    tensor: torch.Tensor
+    #: The file offset of the tensor's first byte.
+    first: int
 
 
 class Pending:
@@ -110,10 +121,8 @@ def _stall_error(stuck: reader_threads.Activity, stall_s: float) -> StalledReadE
 class Reader(ABC):
     """Moves byte ranges of a file into buffers on one device."""
 
-    name: str = "?"
-    #: Default for ``strided_min_skip``: skipping fewer bytes per row than this is cheaper
-    #: to read through (one extra read call costs about as much as reading this many bytes).
-    default_strided_min_skip: int = 4096
+    #: Which backend it is (set by each concrete reader).
+    name: ClassVar[Backend]
     #: Whether ``submit`` takes ``RowsCall`` as such (gaps included); other readers get them
     #: expanded into one ``ReadCall`` per row, and are never given rows with ``gaps``.
     reads_rows: bool = False
@@ -131,9 +140,9 @@ class Reader(ABC):
         return 0
 
     @property
-    def direct_read_ahead(self) -> int:
+    def direct_in_flight(self) -> int:
         """Bytes of reads into the caller's own tensors worth queueing beyond the executor's
-        three chunks in flight (0: three chunks keep this reader's threads busy)."""
+        ``policy.CHUNKS_IN_FLIGHT`` chunks (0: those keep this reader's threads busy)."""
         return 0
 
     @abstractmethod
@@ -144,14 +153,14 @@ class Reader(ABC):
     def submit(self, sf: SafetensorsFile, calls: Sequence[Call]) -> Pending:
         """Start reading ``calls`` from ``sf``; return a handle to wait on."""
 
-    def mapped(self, sf: SafetensorsFile, ranges: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, int] | None:
-        """Bytes of the file covering ``ranges``, as a uint8 tensor over a mapping whose views may be
-        handed out instead of reading them, and the file offset of its first byte; None: read
-        them. Only a reader whose destination is host memory can say yes (see ``HostReader``)."""
+    def mapped(self, sf: SafetensorsFile, ranges: Sequence[ByteRange]) -> FileWindow | None:
+        """Bytes of the file covering ``ranges`` over a mapping whose views may be handed out
+        instead of reading them; None: read them. Only a reader whose destination is host memory
+        can say yes (see ``HostReader``)."""
         return None
 
-    def populate_mapped(self, sf: SafetensorsFile, window: torch.Tensor, first: int) -> Pending | None:
-        """Start bringing the pages of a ``mapped`` window (file offset ``first``) into memory, so
+    def populate_mapped(self, sf: SafetensorsFile, window: FileWindow) -> Pending | None:
+        """Start bringing the pages of a ``mapped`` window into memory, so
         that an I/O error there is an error and not a signal in the caller; None: nothing to do."""
         return None
 

@@ -25,6 +25,7 @@ import errno
 import mmap
 import os
 import threading
+from dataclasses import dataclass
 
 import torch
 
@@ -40,7 +41,16 @@ class DirectUnsupported(Exception):
     """This file cannot be read with O_DIRECT here (filesystem or alignment): read it buffered."""
 
 
-def open_direct(fd: int) -> tuple[int, int] | None:
+@dataclass(frozen=True)
+class DirectFile:
+    """A second descriptor of an open file, with ``O_DIRECT``."""
+
+    fd: int
+    #: What offsets, lengths and buffer addresses must be multiples of.
+    align: int
+
+
+def open_direct(fd: int) -> DirectFile | None:
     """A second descriptor of the same open file with ``O_DIRECT``, and the alignment it needs.
 
     Opened through ``/proc/self/fd`` so that it is the very inode ``fd`` has (a file replaced
@@ -58,7 +68,7 @@ def open_direct(fd: int) -> tuple[int, int] | None:
     for align in ALIGNMENTS:
         try:
             os.preadv(dfd, [memoryview(probe)[:align]], align)
-            return dfd, align
+            return DirectFile(dfd, align)
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 break

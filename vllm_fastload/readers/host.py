@@ -22,6 +22,7 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,10 +30,11 @@ import torch
 from vllm_fastload import policy
 from vllm_fastload.config import FastloadConfig, reader_cpu_count
 from vllm_fastload.format import SafetensorsFile
-from vllm_fastload.plan import Rows
+from vllm_fastload.plan import ByteRange, Rows
 from vllm_fastload.policy import ChunkRead, MapChunk
 from vllm_fastload.readers import direct, mapped, pagecache, row_pages
-from vllm_fastload.readers.base import Call, Pending, Reader, RowsCall
+from vllm_fastload.readers.base import Call, FileWindow, Pending, Reader, RowsCall
+from vllm_fastload.readers.direct import DirectFile
 from vllm_fastload.readers.memory import populate
 from vllm_fastload.readers.remote import submit_to_source
 from vllm_fastload.readers.threads import ReaderThreads, reading, thread_pool
@@ -41,9 +43,9 @@ from vllm_fastload.sources.local import IOV_MAX, pread_into, preadv_into
 from vllm_fastload.tensors import host_bytes
 
 HUGE_PAGE = 2 << 20
-#: What the page-cache probes and the advice take: read calls, or bare ``(offset, length, None)``
-#: ranges of a chunk that may be mapped instead of read.
-_Probed = Call | tuple[int, int, None]
+#: What the page-cache probes and the advice take: read calls, or the ranges of a chunk that may
+#: be mapped instead of read.
+_Probed = Call | ByteRange
 PAGE = mmap.PAGESIZE
 
 
@@ -66,14 +68,23 @@ def allocate_host(nbytes: int, hugepages: bool) -> torch.Tensor:
     return torch.frombuffer(region, dtype=torch.uint8)
 
 
+@dataclass(frozen=True)
+class _OpenFile:
+    """A descriptor of an open file, and the file's inode: a descriptor number that is reused for
+    another file never finds what was kept for the old one."""
+
+    fd: int
+    inode: int
+
+    @classmethod
+    def of(cls, fd: int) -> _OpenFile:
+        return cls(fd, os.fstat(fd).st_ino)
+
+
 class HostReader(Reader):
     name = "host"
+    #: Its plans are exact (``policy.reader_strided_min_skip``): see ``read_rows``.
     reads_rows = True
-    #: Plans for this reader are exact: it moves a slice's rows without landing the bytes between
-    #: them anywhere the caller sees (copied out of a mapping where cached, else read through gaps
-    #: under a page into a scratch buffer, see ``read_rows``), so reading the enclosing rows
-    #: instead would only add bytes to copy and hold.
-    default_strided_min_skip = 0
 
     def __init__(self, config: FastloadConfig, device: torch.device) -> None:
         super().__init__(config, device)
@@ -81,12 +92,10 @@ class HostReader(Reader):
         self.bounce_size = _bounce_size(config)
         self.decisions.note("O_DIRECT buffer per thread", self.bounce_size, direct_io=config.direct_io,
                             memory_budget=int(config.memory_budget), threads=config.threads)
-        #: (buffered descriptor, inode) -> (O_DIRECT descriptor, alignment), or None where O_DIRECT
-        #: fails. The inode is in the key so that a descriptor number reused for another file
-        #: never finds the old file's O_DIRECT descriptor.
-        self._direct: dict[tuple[int, int], tuple[int, int] | None] = {}
-        #: Buffered descriptors whose read-ahead is off (see ``_no_readahead``), keyed like ``_direct``.
-        self._random: set[tuple[int, int]] = set()
+        #: A buffered descriptor's O_DIRECT twin, or None where O_DIRECT fails.
+        self._direct: dict[_OpenFile, DirectFile | None] = {}
+        #: Buffered descriptors whose read-ahead is off (see ``_no_readahead``).
+        self._random: set[_OpenFile] = set()
 
     @property
     def staging_bytes(self) -> int:
@@ -124,19 +133,18 @@ class HostReader(Reader):
                 advise_rows(sf.fd, r, ahead=True)  # now, so the disk works ahead of the threads
             opened = facts.opened
             assert opened is not None  # DIRECT only for a file that opened with O_DIRECT
-            dfd, align = opened
-            pool, task = self.threads(), functools.partial(_read_batch_direct, dfd, align, self.bounce_size)
+            pool, task = self.threads(), functools.partial(_read_batch_direct, opened, self.bounce_size)
         futures = [pool.submit(task, sf.fd, sf.path, batch) for batch in self.batches(calls, self.config.read_size)]
         return Pending(futures)
 
-    def mapped(self, sf: SafetensorsFile, ranges: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, int] | None:
+    def mapped(self, sf: SafetensorsFile, ranges: Sequence[ByteRange]) -> FileWindow | None:
         """Cached ranges, mostly cached ones, and with ``direct_io`` "never" also ranges not
         cached (``policy.map_chunk``); the missing pages are advised to the kernel now (the
         caller's copy then waits for the disk where it gets ahead of it)."""
         if not ranges:
             return None
         fd = -1 if sf.fd is None else sf.fd
-        calls: list[_Probed] = [(offset, length, None) for offset, length in ranges]
+        calls: list[_Probed] = list(ranges)
         start, end = _span(ranges)
         facts = _MapFacts(fd, calls, start, end)
         how = policy.map_chunk(facts, map_cached=self.config.map_cached, remote=sf.fd is None,
@@ -150,15 +158,15 @@ class HostReader(Reader):
             advise(fd, calls)
         return window
 
-    def populate_mapped(self, sf: SafetensorsFile, window: torch.Tensor, first: int) -> Pending | None:
+    def populate_mapped(self, sf: SafetensorsFile, window: FileWindow) -> Pending | None:
         """Where pages of the window are not in the page cache (the disk must be read): they are
         brought in on the reader's threads, a ``read_size`` piece each (see ``mapped.populate``).
         A window wholly in the page cache needs no read that could fail or stall, and mapping its
         pages ahead would only add to the caller's copy."""
-        piece, length = int(self.config.read_size), window.numel()
+        piece, length, first = int(self.config.read_size), window.tensor.numel(), window.first
         if sf.fd is None or mapped.wholly_cached(sf.fd, first, first + length):
             return None
-        return Pending([self.threads().submit(mapped.populate, window, sf.path, done, min(piece, length - done),
+        return Pending([self.threads().submit(mapped.populate, window.tensor, sf.path, done, min(piece, length - done),
                                               first + done) for done in range(0, length, piece)])
 
     def _submit_cached(self, sf: SafetensorsFile, calls: Sequence[Call],
@@ -177,7 +185,7 @@ class HostReader(Reader):
         """Turns off the kernel's read-ahead on the buffered descriptor (``POSIX_FADV_RANDOM``)
         once O_DIRECT carries the contiguous reads: it is left with row slices, whose pages are
         advised exactly, and read-ahead on a miss would fetch the other ranks' bytes too."""
-        key = (fd, os.fstat(fd).st_ino)
+        key = _OpenFile.of(fd)
         if key in self._random:
             return
         self._random.add(key)
@@ -186,10 +194,10 @@ class HostReader(Reader):
         except (OSError, AttributeError):
             pass  # advice only
 
-    def _direct_fd(self, fd: int) -> tuple[int, int] | None:
+    def _direct_fd(self, fd: int) -> DirectFile | None:
         if not self.bounce_size:
             return None
-        key = (fd, os.fstat(fd).st_ino)
+        key = _OpenFile.of(fd)
         if key not in self._direct:
             self._direct[key] = direct.open_direct(fd)
         return self._direct[key]
@@ -216,7 +224,7 @@ class HostReader(Reader):
             self._copy_pool = None
         for opened in self._direct.values():
             if opened is not None:
-                os.close(opened[0])
+                os.close(opened.fd)
         self._direct.clear()
         self._random.clear()
 
@@ -251,8 +259,8 @@ class _ChunkFacts:
         return self._probe("direct_ok", lambda fd: self.opened is not None)
 
     @functools.cached_property
-    def opened(self) -> tuple[int, int] | None:
-        """The O_DIRECT descriptor and its alignment, or None."""
+    def opened(self) -> DirectFile | None:
+        """The O_DIRECT descriptor, or None."""
         assert self._fd is not None
         return self._reader._direct_fd(self._fd)
 
@@ -292,11 +300,12 @@ def _bounce_size(config: FastloadConfig) -> int:
                               max_alignment=max(direct.ALIGNMENTS))
 
 
-def _ranges(calls: Sequence[_Probed]) -> list[tuple[int, int]]:
-    return [(c.rows.offset, c.rows.span) if isinstance(c, RowsCall) else (c[0], c[1]) for c in calls]
+def _ranges(calls: Sequence[_Probed]) -> list[ByteRange]:
+    return [ByteRange(c.rows.offset, c.rows.span) if isinstance(c, RowsCall) else ByteRange(c.offset, c.length)
+            for c in calls]
 
 
-def _span(ranges: Sequence[tuple[int, int]]) -> tuple[int, int]:
+def _span(ranges: Sequence[ByteRange]) -> tuple[int, int]:
     """The bytes ``[lo, hi)`` from the first range's start to the last one's end."""
     return min(offset for offset, _ in ranges), max(offset + length for offset, length in ranges)
 
@@ -310,20 +319,15 @@ def cached_calls(fd: int, calls: Sequence[_Probed]) -> bool:
     return hi <= lo or _cached(fd, (lo, (lo + hi) // 2, hi - 1))
 
 
-#: Pages sampled per chunk to tell a wholly cached chunk from one with holes: enough to find a
-#: reclaimed stretch, few enough for one probe per chunk on the loading thread.
-HOLE_SAMPLES = 64
-
-
 def _has_holes(fd: int, calls: Sequence[_Probed]) -> bool:
     """Whether pages of a chunk that probed as cached are missing from the page cache (as a host
     that reclaims idle page cache leaves a checkpoint read into it earlier)."""
     if not calls:
         return False
     lo, hi = _span(_ranges(calls))
-    if hi - lo <= HOLE_SAMPLES * pagecache.PAGE:
+    if not policy.sample_for_holes(span=hi - lo, page=pagecache.PAGE):
         return False
-    share = pagecache.cached_share(fd, lo, hi, samples=HOLE_SAMPLES)
+    share = pagecache.cached_share(fd, lo, hi, samples=policy.HOLE_SAMPLES)
     return share is not None and share < 1.0
 
 
@@ -340,7 +344,7 @@ def advise(fd: int, calls: Sequence[_Probed]) -> None:
     ranges = _ranges(calls)
     lo, hi = _span(ranges)
     needed = sum(length for _, length in ranges)
-    spans = [(lo, hi - lo)] if hi - lo <= 2 * needed else ranges
+    spans = [ByteRange(lo, hi - lo)] if policy.advise_whole_span(span=hi - lo, needed=needed) else ranges
     for offset, length in spans:
         try:
             os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
@@ -386,8 +390,7 @@ def _read_batch(fd: int, path: str, batch: list[Call], cached: bool = False) -> 
         view = dest = None
 
 
-def _read_batch_direct(dfd: int, align: int, bounce_size: int, fd: int, path: str,
-                       batch: list[Call]) -> None:
+def _read_batch_direct(opened: DirectFile, bounce_size: int, fd: int, path: str, batch: list[Call]) -> None:
     """Like ``_read_batch``, contiguous ranges through O_DIRECT (see ``direct``); slices along a
     later dim through the page cache with advice for exactly their pages. A file that turns
     out not to allow O_DIRECT is read buffered."""
@@ -400,7 +403,7 @@ def _read_batch_direct(dfd: int, align: int, bounce_size: int, fd: int, path: st
                 continue
             reading(path, call.offset, call.length)
             try:
-                direct.read_into(dfd, align, path, call.offset, call.dest, bounce)
+                direct.read_into(opened.fd, opened.align, path, call.offset, call.dest, bounce)
             except direct.DirectUnsupported:
                 advise(fd, batch[i:])  # read-ahead may be off on this descriptor
                 _read_batch(fd, path, batch[i:])

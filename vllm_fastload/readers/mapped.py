@@ -42,6 +42,7 @@ from vllm_fastload.errors import ReadError
 from vllm_fastload.libc import MAP_FAILED, keeping_gil, releasing_gil
 from vllm_fastload.plan import Rows
 from vllm_fastload.readers import pagecache
+from vllm_fastload.readers.base import FileWindow
 from vllm_fastload.readers.memory import MADV_POPULATE_READ
 from vllm_fastload.readers.threads import reading
 from vllm_fastload.sources.fstype import filesystem_type, is_network
@@ -147,10 +148,10 @@ def populate(window: torch.Tensor, path: str, start: int, length: int, file_offs
                     file=path)
 
 
-def file_window(fd: int, path: str, start: int, end: int) -> tuple[torch.Tensor, int] | None:
+def file_window(fd: int, path: str, start: int, end: int) -> FileWindow | None:
     """Bytes ``[start, end)`` of the file at ``path`` (open as ``fd``), or a little more, as a uint8
-    CPU tensor over a private mapping, with the file offset of its first byte; None where the file
-    is on a network filesystem (see above), shorter than ``end`` or cannot be mapped.
+    CPU tensor over a private mapping; None where the file is on a network filesystem (see above),
+    shorter than ``end`` or cannot be mapped.
 
     Private and writable: a caller that writes into a view gets its own copy of those pages, and
     the file never changes; pages nobody wrote show the file as it is (as safetensors' mapping
@@ -174,4 +175,4 @@ def file_window(fd: int, path: str, start: int, end: int) -> tuple[torch.Tensor,
         return None
     memory = (ctypes.c_ubyte * length).from_address(address)
     weakref.finalize(memory, libc.munmap, address, length)  # when the last view is gone
-    return torch.frombuffer(memory, dtype=torch.uint8), first
+    return FileWindow(torch.frombuffer(memory, dtype=torch.uint8), first)

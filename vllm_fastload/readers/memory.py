@@ -19,6 +19,7 @@ from types import TracebackType
 
 import torch
 
+from vllm_fastload import policy
 from vllm_fastload.libc import releasing_gil
 from vllm_fastload.readers.threads import run_on
 from vllm_fastload.sizes import round_up
@@ -26,8 +27,6 @@ from vllm_fastload.sizes import round_up
 PAGE = mmap.PAGESIZE
 MADV_POPULATE_READ = 22
 MADV_POPULATE_WRITE = 23
-#: Smaller ranges are not worth two system calls.
-MIN_BYTES = 256 << 10
 
 #: False once the kernel refused MADV_POPULATE_WRITE (older than 5.14): not asked again.
 _supported = True
@@ -40,7 +39,7 @@ def populate(address: int, nbytes: int) -> bool:
     """
     lo = round_up(address, PAGE)
     hi = (address + nbytes) // PAGE * PAGE
-    if not _supported or hi - lo < MIN_BYTES:
+    if not _supported or hi - lo < policy.MIN_POPULATE_BYTES:
         return False
     libc = releasing_gil()
     if libc is None:

@@ -16,6 +16,7 @@ import mmap
 import os
 from collections.abc import Sequence
 
+from vllm_fastload import policy
 from vllm_fastload.libc import MAP_FAILED, keeping_gil
 
 PAGE = mmap.PAGESIZE
@@ -31,7 +32,7 @@ def is_cached(fd: int, offsets: Sequence[int]) -> bool:
     return _nowait(fd, offsets)
 
 
-def cached_share(fd: int, start: int, end: int, samples: int = 16) -> float | None:
+def cached_share(fd: int, start: int, end: int, samples: int = policy.PAGE_SAMPLES) -> float | None:
     """The share of ``samples`` pages spread evenly over bytes ``[start, end)`` that are in the page
     cache, through one mapping; None where ``mincore`` cannot be asked truthfully (see above).
     A sample, not every page: the probe runs on the loading thread, once per chunk."""

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from vllm_fastload.format import SafetensorsFile
 from vllm_fastload.readers.base import Call, Pending, Reader
+from vllm_fastload.sources.base import RangeInto
 from vllm_fastload.tensors import host_bytes
 
 
@@ -18,5 +19,5 @@ def submit_to_source(sf: SafetensorsFile, calls: Sequence[Call]) -> Pending:
     Rows become one range per row (their gaps are the store's to coalesce: ranges closer than its
     ``coalesce_gap`` share a request); the destinations must be host memory.
     """
-    ranges = [(offset, host_bytes(dest)) for offset, _, dest in Reader.plain_calls(calls)]
+    ranges = [RangeInto(call.offset, host_bytes(call.dest)) for call in Reader.plain_calls(calls)]
     return Pending([sf.source.submit_ranges_into(ranges)])

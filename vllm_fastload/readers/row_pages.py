@@ -23,7 +23,7 @@ import mmap
 
 import numpy as np
 
-from vllm_fastload.plan import Rows
+from vllm_fastload.plan import ByteRange, Rows
 
 PAGE = mmap.PAGESIZE
 #: Shared pages are owned in blocks of this many bytes.
@@ -33,23 +33,23 @@ BLOCK = 64 << 10
 _HASH = np.uint64(0x9E3779B97F4A7C15)
 
 
-def touched_spans(rows: Rows) -> list[tuple[int, int]]:
-    """``(offset, length)`` of the page runs holding the segments (the whole span if ``gaps``)."""
+def touched_spans(rows: Rows) -> list[ByteRange]:
+    """The page runs holding the segments (the whole span if ``gaps``)."""
     if rows.count == 0:
         return []
     if rows.gaps:
-        return [(rows.offset, rows.span)]
+        return [ByteRange(rows.offset, rows.span)]
     base, touched, _ = _pages(rows)
     return _runs(base, touched)
 
 
-def owned_spans(rows: Rows) -> list[tuple[int, int]]:
+def owned_spans(rows: Rows) -> list[ByteRange]:
     """Page runs this rank fetches ahead: pages holding only its bytes, and the pages it touches in
     the blocks it owns."""
     if rows.count == 0:
         return []
     if rows.gaps:
-        return [(rows.offset, rows.span)]
+        return [ByteRange(rows.offset, rows.span)]
     base, touched, whole = _pages(rows)
     pages = base + np.arange(len(touched), dtype=np.int64)
     blocks = (pages * PAGE // BLOCK).astype(np.uint64)
@@ -79,8 +79,8 @@ def _cover(first: np.ndarray, last: np.ndarray, count: int) -> np.ndarray:
     return np.cumsum(edges[:-1]) > 0
 
 
-def _runs(base: int, pages: np.ndarray) -> list[tuple[int, int]]:
+def _runs(base: int, pages: np.ndarray) -> list[ByteRange]:
     """Byte ranges of the runs of set pages."""
     padded = np.concatenate(([False], pages, [False])).astype(np.int8)
     change = np.flatnonzero(np.diff(padded))
-    return [(int(base + a) * PAGE, int(b - a) * PAGE) for a, b in zip(change[::2], change[1::2])]
+    return [ByteRange(int(base + a) * PAGE, int(b - a) * PAGE) for a, b in zip(change[::2], change[1::2])]

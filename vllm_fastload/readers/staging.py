@@ -17,6 +17,7 @@ import queue
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import torch
 
@@ -25,13 +26,14 @@ from vllm_fastload.config import FastloadConfig
 from vllm_fastload.format import SafetensorsFile
 from vllm_fastload.readers.base import Call, Reader, RowsCall
 from vllm_fastload.readers.host import advise_rows, cached_calls, read_rows
+from vllm_fastload.sources.base import RangeInto
 from vllm_fastload.sources.local import pread_into
 from vllm_fastload.tensors import host_bytes
 
 
 class StagedReader(Reader):
     """A reader onto a CUDA device whose reads, or some of them, go through ``PinnedStaging``:
-    the device check, the staging's share of the budget and its read-ahead, device buffers."""
+    the device check, the staging's share of the budget and its reads in flight, device buffers."""
 
     reads_rows = True  # rows are packed into the slots
 
@@ -49,8 +51,8 @@ class StagedReader(Reader):
         return self.staging.staging_bytes
 
     @property
-    def direct_read_ahead(self) -> int:
-        return self.staging.read_ahead
+    def direct_in_flight(self) -> int:
+        return self.staging.in_flight
 
     def allocate(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
@@ -58,6 +60,24 @@ class StagedReader(Reader):
     def close(self) -> None:
         super().close()
         self.staging.close()
+
+
+@dataclass(frozen=True, eq=False)  # identity: it holds tensors (no elementwise ==)
+class Slot:
+    """A pinned staging slot, and a view of its bytes to read into."""
+
+    tensor: torch.Tensor
+    view: memoryview
+
+
+@dataclass(frozen=True, eq=False)
+class Staged:
+    """Where one read call's bytes landed in a slot, and the destination they go on to."""
+
+    #: Where they start in the slot.
+    offset: int
+    length: int
+    dest: torch.Tensor
 
 
 class PinnedStaging:
@@ -74,7 +94,7 @@ class PinnedStaging:
         self.read_size = int(config.read_size)
         self.threads = config.threads
         self.device = device
-        self._free: queue.Queue[tuple[torch.Tensor, memoryview]] = queue.Queue()
+        self._free: queue.Queue[Slot] = queue.Queue()
         self._made = 0
         self._lock = threading.Lock()
         self._local = threading.local()
@@ -85,10 +105,10 @@ class PinnedStaging:
         return self.slots * self.slot_size
 
     @property
-    def read_ahead(self) -> int:
-        """Queued work beyond the executor's chunks in flight (``policy.staging_read_ahead``): a
+    def in_flight(self) -> int:
+        """Queued work beyond the executor's chunks in flight (``policy.staging_in_flight``): a
         few large chunks are few tasks for many threads."""
-        return policy.staging_read_ahead(threads=self.threads, slot_size=self.slot_size)
+        return policy.staging_in_flight(threads=self.threads, slot_size=self.slot_size)
 
     def start(self, reader: Reader, sf: SafetensorsFile, calls: Sequence[Call]) -> list[Future[None]]:
         """Start reading ``calls`` through the slots on ``reader``'s threads (rows advised to the
@@ -103,7 +123,7 @@ class PinnedStaging:
         return [pool.submit(self._stage, sf, batch, cached)
                 for batch in reader.batches(calls, self.slot_size, bounded=True)]
 
-    def _slot(self) -> tuple[torch.Tensor, memoryview]:
+    def _slot(self) -> Slot:
         try:
             return self._free.get_nowait()
         except queue.Empty:
@@ -119,7 +139,7 @@ class PinnedStaging:
             with self._lock:
                 self._made -= 1  # or a later task would wait forever for a slot never made
             raise
-        return slot, host_bytes(slot)
+        return Slot(slot, host_bytes(slot))
 
     def _use_own_stream(self) -> None:
         """Make a stream of this worker thread's own its current stream (once per thread)."""
@@ -130,13 +150,14 @@ class PinnedStaging:
                 self._streams.append(stream)
 
     def _stage(self, sf: SafetensorsFile, batch: list[Call], cached: bool) -> None:
-        slot, view = self._slot()
-        placed = dest = None
+        slot = self._slot()
+        placed: list[Staged] | None = None
+        staged: Staged | None = None
         try:
-            placed = fill_slot(sf, view, batch, cached, self.read_size)
+            placed = fill_slot(sf, slot.view, batch, cached, self.read_size)
             self._use_own_stream()
-            for start, length, dest in placed:
-                dest.copy_(slot[start:start + length], non_blocking=True)
+            for staged in placed:
+                staged.dest.copy_(slot.tensor[staged.offset:staged.offset + staged.length], non_blocking=True)
         finally:
             # This thread's copies only (other threads keep reading into other slots meanwhile),
             # and after an error too: no copy may still run once the slot is reused or the task
@@ -144,10 +165,10 @@ class PinnedStaging:
             stream = getattr(self._local, "stream", None)
             if stream is not None:
                 stream.synchronize()
-            self._free.put((slot, view))
+            self._free.put(slot)
             # See host._read_batch: no view of the buffer outlives the task, nor an error's traceback.
             batch.clear()
-            placed = dest = None
+            placed = staged = None
 
     def close(self) -> None:
         for stream in self._streams:
@@ -155,16 +176,16 @@ class PinnedStaging:
 
 
 def fill_slot(sf: SafetensorsFile, slot: memoryview, batch: Sequence[Call],
-              cached: bool = False, read_size: int = 1 << 62) -> list[tuple[int, int, torch.Tensor]]:
-    """Read a batch packed into ``slot``; return ``(slot offset, length, destination)`` per call.
+              cached: bool = False, read_size: int = 1 << 62) -> list[Staged]:
+    """Read a batch packed into ``slot``; return where each call's bytes landed in it.
 
     A local file is read with ``pread`` calls of at most ``read_size``; rows copied out of a
     mapping where the file is ``cached``, else with a call per row, or one ``preadv`` per batch of
     rows through the gaps where the plan says so (see ``host.read_rows``). An object gets one
     submission to its source, rows as one range per row (neighbouring ranges share a GET).
     """
-    placed: list[tuple[int, int, torch.Tensor]] = []
-    ranges: list[tuple[int, memoryview]] = []
+    placed: list[Staged] = []
+    ranges: list[RangeInto] = []
     used = 0
     call: Call | None = None
     dest: torch.Tensor | None = None
@@ -176,7 +197,7 @@ def fill_slot(sf: SafetensorsFile, slot: memoryview, batch: Sequence[Call],
                 length = rows.seg * rows.count
                 view = slot[used:used + length]
                 if sf.fd is None:
-                    ranges += [(offset, view[i * seg:(i + 1) * seg])
+                    ranges += [RangeInto(offset, view[i * seg:(i + 1) * seg])
                                for i, (offset, seg) in enumerate(rows.ranges())]
                 else:
                     read_rows(sf.fd, sf.path, rows, view, cached)
@@ -184,11 +205,11 @@ def fill_slot(sf: SafetensorsFile, slot: memoryview, batch: Sequence[Call],
                 offset, length, dest = call
                 view = slot[used:used + length]
                 if sf.fd is None:
-                    ranges.append((offset, view))
+                    ranges.append(RangeInto(offset, view))
                 else:
                     for done in range(0, length, read_size):
                         pread_into(sf.fd, sf.path, offset + done, view[done:done + read_size])
-            placed.append((used, length, dest))
+            placed.append(Staged(used, length, dest))
             used += length
         if ranges:
             sf.source.submit_ranges_into(ranges).result()

@@ -21,7 +21,8 @@ from vllm_fastload import exchange
 from vllm_fastload.errors import CheckpointError
 from vllm_fastload.model import early
 from vllm_fastload.model.options import loader_config
-from vllm_fastload.model.rank import RankReport, load_rank, model_device
+from vllm_fastload.model.rank import load_rank, model_device
+from vllm_fastload.model.report import LoadReport
 from vllm_fastload.sglang_plugin import compat
 from vllm_fastload.sources import is_remote
 
@@ -39,7 +40,7 @@ class FastloadModelLoader(BaseModelLoader):
         if "post_per_layer" in self.config.model_fields_set and self.config.post_per_layer:
             logger.warning("fastload: post_per_layer applies to vLLM only; SGLang post-processes after the load")
         #: What the last load did on this rank (also logged): for tests and ``verify``.
-        self.report: dict[str, object] = {}
+        self.report: LoadReport | None = None
 
     # -- SGLang's BaseModelLoader ------------------------------------------------------------
     def download_model(self, model_config: Any) -> None:
@@ -49,7 +50,7 @@ class FastloadModelLoader(BaseModelLoader):
         why = _left_to_sglang(model_config)
         if why is not None:
             logger.warning("fastload: %s: loading it with SGLang's default loader", why)
-            self.report = {"planned": False, "fallback_reason": why}
+            self.report = LoadReport.left_to_engine(*_rank(), why)
             return compat.load_with_default_loader(self.load_config, model_config, device_config)
         device = torch.device(device_config.device)
         model = compat.build_model(model_config, self.load_config, device)
@@ -67,12 +68,12 @@ class FastloadModelLoader(BaseModelLoader):
     # -- helpers ----------------------------------------------------------------------------
     def _load_weights(self, model: nn.Module, model_config: Any) -> None:
         tp = compat.tp_group()
-        rank, world = (tp.rank_in_group, tp.world_size) if tp is not None else (0, 1)
+        rank, world = _rank()
         why = _weights_left_to_sglang(model, self.load_config)
         if why is not None:
             logger.warning("fastload: %s: loading its weights with SGLang's default loader", why)
             compat.load_weights_with_default_loader(self.load_config, model, model_config)
-            self.report = {"rank": rank, "world": world, "planned": False, "fallback_reason": why}
+            self.report = LoadReport.left_to_engine(rank, world, why)
             return
         path = self._checkpoint_dir(model_config)
         collectives = exchange.Collectives(tp.cpu_group, rank, world) if tp is not None and world > 1 else None
@@ -80,7 +81,7 @@ class FastloadModelLoader(BaseModelLoader):
                            collectives=collectives, show_progress=self.config.progress and rank == 0,
                            load_weights=compat.weights_loader(model))
         logger.info("%s", report.line())
-        self.report = report.as_dict()
+        self.report = report
         if report.planned:
             _check_every_parameter_written(model, report, path)
 
@@ -94,6 +95,12 @@ class FastloadModelLoader(BaseModelLoader):
         if os.path.isdir(model) or os.path.isfile(model):
             return model
         return compat.download_weights(model, self.load_config, getattr(model_config, "revision", None))
+
+
+def _rank() -> tuple[int, int]:
+    """This rank's place in SGLang's tensor-parallel group (0 of 1 in a single process)."""
+    tp = compat.tp_group()
+    return (tp.rank_in_group, tp.world_size) if tp is not None else (0, 1)
 
 
 def _left_to_sglang(model_config: Any) -> str | None:
@@ -117,7 +124,7 @@ def _weights_left_to_sglang(model: nn.Module, load_config: Any) -> str | None:
     return None
 
 
-def _check_every_parameter_written(model: nn.Module, report: RankReport, path: str) -> None:
+def _check_every_parameter_written(model: nn.Module, report: LoadReport, path: str) -> None:
     """SGLang's default loader leaves a parameter the checkpoint does not provide as it was
     allocated, without a word (uninitialised memory, for a weight); fastload stops instead, naming
     it, where the checkpoint cannot mean to leave it: a parameter of an unquantized module, or of a

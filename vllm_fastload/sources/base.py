@@ -11,7 +11,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
+
+
+class RangeInto(NamedTuple):
+    """A file's bytes from ``offset`` into ``view`` (as many as the view holds).
+
+    A named tuple, not a dataclass: a slice read from an object is one per row, made on the
+    loading thread.
+    """
+
+    offset: int
+    view: memoryview
 
 
 @runtime_checkable
@@ -33,9 +44,8 @@ class Source(Protocol):
     def read_into(self, offset: int, view: memoryview, *, tensor: str | None = None) -> None:
         """Fill ``view`` with the bytes from ``offset``, or raise a ``CheckpointError``."""
 
-    def submit_ranges_into(self, ranges: Sequence[tuple[int, memoryview]], *,
-                           tensor: str | None = None) -> Future[None]:
-        """Start filling each ``(offset, view)``; the future completes once all finished (or raises)."""
+    def submit_ranges_into(self, ranges: Sequence[RangeInto], *, tensor: str | None = None) -> Future[None]:
+        """Start filling each range; the future completes once all finished (or raises)."""
 
     def check_unchanged(self) -> None:
         """Raise ``FileChangedError`` if the bytes are no longer those opened."""

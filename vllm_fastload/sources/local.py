@@ -14,6 +14,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from vllm_fastload.errors import FileChangedError, HeaderError, MissingFileError, ReadError, TruncatedFileError
+from vllm_fastload.sources.base import RangeInto
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ class LocalSource:
                 raise
             raise ReadError(exc.reason, file=self.path, tensor=tensor) from exc
 
-    def submit_ranges_into(self, ranges: Sequence[tuple[int, memoryview]], *,
+    def submit_ranges_into(self, ranges: Sequence[RangeInto], *,
                            tensor: str | None = None) -> Future[None]:
         """Read the ranges now (a local read does not wait on a network); a completed future."""
         future: Future[None] = Future()

@@ -15,7 +15,7 @@ limit can be set in several places:
 
 Which of them decides is ``policy.early_reads_memory``'s to say; this module only reads them.
 Standard library only, and no import from the package: the early-reads script
-(``readahead.py``, run by a bare ``python -I -S``) loads this file by its path.
+(``early_reads.py``, run by a bare ``python -I -S``) loads this file by its path.
 """
 
 from __future__ import annotations

@@ -14,17 +14,17 @@ needs on top:
 - no secret reaches a message: error text from the store is cut to its first line, stripped
   of query strings and scrubbed of every credential value fastload knows of.
 
-Requests run on one asyncio loop per process (a daemon thread); callers get
-``concurrent.futures.Future`` objects, like the readers' thread pools give them.
+What a failure was is ``store_errors``' to tell; which objects make a checkpoint, and their
+headers, ``remote_checkpoint``'s. Requests run on one asyncio loop per process (a daemon thread);
+callers get ``concurrent.futures.Future`` objects, like the readers' thread pools give them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import re
 import threading
-from collections.abc import Awaitable, Coroutine, Iterable, Sequence
+from collections.abc import Awaitable, Coroutine, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -50,21 +50,15 @@ from vllm_fastload.errors import (
     CheckpointError,
     FileChangedError,
     HeaderError,
-    MissingFileError,
     ReadError,
     StoreUnavailableError,
 )
-from vllm_fastload.format import INDEX_NAME, SafetensorsFile, header_length, parse_file, parse_weight_map
 from vllm_fastload.sizes import ceil_div
+from vllm_fastload.sources.base import RangeInto
+from vllm_fastload.sources.store_errors import client_facts, known_secrets, map_error, scrub
 from vllm_fastload.sources.uri import ObjectURI
 
 T = TypeVar("T")
-
-#: Environment variables whose values are credentials (scrubbed from every message).
-_SECRET_ENV = re.compile(r"^(AWS|AZURE|GOOGLE|GCS|GCP|OBJECT_STORE)_\w*(SECRET|TOKEN|PASSWORD|KEY|SAS|CREDENTIAL)\w*$")
-#: Shorter values are not scrubbed (they would blank out ordinary words).
-_MIN_SECRET = 6
-
 
 # --------------------------------------------------------------------------- event loop
 
@@ -93,87 +87,6 @@ class _Loop:
 def _spawn(coro: Coroutine[Any, Any, T]) -> Future[T]:
     """Run ``coro`` on the request loop; a ``concurrent.futures.Future`` for its result."""
     return asyncio.run_coroutine_threadsafe(coro, _Loop.get())
-
-
-# --------------------------------------------------------------------------- errors
-
-
-def known_secrets(config: RemoteConfig | None = None) -> list[str]:
-    """Credential values fastload knows of: the environment's and the config's."""
-    values = [v for k, v in os.environ.items() if _SECRET_ENV.match(k)]
-    if config is not None:
-        values += config.secrets()
-    return sorted({v for v in values if len(v) >= _MIN_SECRET}, key=len, reverse=True)
-
-
-def scrub(text: str, secrets: Iterable[str]) -> str:
-    """``text`` with every secret value replaced by ``***`` and URL query strings dropped."""
-    text = re.sub(r"(https?://[^\s?#\"'<>]+)[?#][^\s\"'<>]*", r"\1", text)
-    for secret in secrets:
-        text = text.replace(secret, "***")
-    return text
-
-
-def _store_detail(exc: BaseException) -> tuple[str, int | None, str | None, str | None]:
-    """What the store client said, in one line, and what it is: HTTP status, the store's error
-    code (``NoSuchBucket``) and the transport failure kind (``Timeout``, ``Connect``, ...).
-
-    Only the line is ever shown; the rest of the client's text (its debug dump) is only parsed.
-    """
-    full = str(exc)
-    text = full.split("\n\nDebug source:", 1)[0]
-    code = re.search(r"<Code>([^<]{1,64})</Code>", text)
-    status = re.search(r"status code: (\d{3})", text)
-    kind = re.search(r"HttpError \{\s*kind: (\w+)", full)
-    kind_name = kind.group(1) if kind else ("Timeout" if re.search(r"\bTimedOut\b|timed out", full) else None)
-    text = re.sub(r"<\?xml.*", "", text, flags=re.S)
-    line = " ".join(text.split())[:300].rstrip(" :-")
-    return line, int(status.group(1)) if status else None, code.group(1) if code else None, kind_name
-
-
-def _classify(exc: BaseException, status: int | None, code: str | None,
-              kind: str | None) -> tuple[type[CheckpointError], str]:
-    """Which error a store failure is, and what it means in a few words."""
-    if isinstance(exc, (FileNotFoundError, obstore_errors.NotFoundError)) or status == 404:
-        if code in ("NoSuchBucket", "ContainerNotFound"):
-            return MissingFileError, "bucket or container does not exist"
-        return MissingFileError, "object does not exist"
-    if isinstance(exc, (obstore_errors.PermissionDeniedError, obstore_errors.UnauthenticatedError)) \
-            or status in (401, 403):
-        return AccessDeniedError, "access denied: the store rejected the credentials or their permissions"
-    if isinstance(exc, obstore_errors.PreconditionError) or status == 412:
-        return FileChangedError, ("the object was replaced since it was opened (its ETag no longer matches); "
-                                  "refusing to mix bytes")
-    if status == 416:
-        return ReadError, "the range starts beyond the end of the object"
-    if status is not None and (status >= 500 or status == 429):
-        return StoreUnavailableError, f"the store kept failing (HTTP {status}) past the retry limit"
-    if kind == "Timeout" or isinstance(exc, TimeoutError):
-        return StoreUnavailableError, "no complete answer in time"
-    if kind == "Connect":
-        return StoreUnavailableError, "cannot connect to the store's endpoint"
-    if kind is not None:
-        return StoreUnavailableError, "the connection failed while sending the request or receiving the body"
-    return ReadError, "request failed"
-
-
-def map_error(exc: BaseException, uri: str, action: str, *, tensor: str | None = None,
-              config: RemoteConfig | None = None) -> CheckpointError:
-    """The ``CheckpointError`` for a store client's exception: typed, naming ``uri`` and ``tensor``.
-
-    ``action`` says what was being done ("GET bytes 0-1048575"); the store's own words follow
-    in one scrubbed line, so the message says both what failed and why.
-    """
-    if isinstance(exc, CheckpointError):
-        return exc
-    line, status, code, kind = _store_detail(exc)
-    cls, what = _classify(exc, status, code, kind)
-    if cls is StoreUnavailableError and config is not None:
-        what += (f" (timeout_s={config.timeout_s:g}, max_retries={config.max_retries}, "
-                 f"retry_timeout_s={config.retry_timeout_s:g})")
-    line = scrub(line, known_secrets(config))
-    why = f"{line} [{code}]" if code and code not in line else line
-    return cls(f"{action}: {what}; store said: {why}", file=uri, tensor=tensor)
 
 
 # --------------------------------------------------------------------------- client
@@ -260,7 +173,7 @@ def _make_client(root: ObjectURI, config: RemoteConfig) -> Any:
     try:
         return _obstore_from_url(root.store_url, **kwargs)
     except Exception as exc:
-        detail = scrub(_store_detail(exc)[0], known_secrets(config))
+        detail = scrub(client_facts(exc).line, known_secrets(config))
         raise CheckpointError(f"cannot set up the {root.family} client: {detail} ({_SETUP_HINTS[root.family]})",
                               file=root.uri) from None
 
@@ -477,26 +390,22 @@ class ObjectSource:
         return self.store.run(self._get(offset, offset + length, tensor), uri=self.uri)[0]
 
     def read_into(self, offset: int, view: memoryview, *, tensor: str | None = None) -> None:
-        """Fill ``view`` with the bytes from ``offset``: ``submit_into`` and wait."""
+        """Fill ``view`` with the bytes from ``offset`` (in ``request_size`` GETs) and wait."""
         view = _writable(view)
         self._check_bounds(offset, len(view), tensor)
         requests = ceil_div(len(view), int(self.store.config.request_size)) or 1
         rounds = ceil_div(requests, self.store.in_flight)
-        self.store.run(self._fill(coalesce([(offset, view)], 0, int(self.store.config.request_size)), tensor),
+        self.store.run(self._fill(coalesce([RangeInto(offset, view)], 0, int(self.store.config.request_size)), tensor),
                        uri=self.uri, rounds=rounds)
 
-    def submit_into(self, offset: int, view: memoryview, *, tensor: str | None = None) -> Future[None]:
-        """Start filling ``view`` from ``offset`` (split into ``request_size`` GETs)."""
-        return self.submit_ranges_into([(offset, view)], tensor=tensor)
-
-    def submit_ranges_into(self, ranges: Sequence[tuple[int, memoryview]], *,
+    def submit_ranges_into(self, ranges: Sequence[RangeInto], *,
                            tensor: str | None = None) -> Future[None]:
-        """Start filling each ``(offset, view)``; ranges closer than ``coalesce_gap`` share a GET.
+        """Start filling each range; ranges closer than ``coalesce_gap`` share a GET.
 
         The future completes once every request has finished (also after one failed, so that
         no request still writes into a buffer its caller gave up), then raises the first error.
         """
-        views = [(offset, _writable(view)) for offset, view in ranges]
+        views = [RangeInto(offset, _writable(view)) for offset, view in ranges]
         for offset, view in views:
             self._check_bounds(offset, len(view), tensor)
         cfg = self.store.config
@@ -557,16 +466,16 @@ class Request:
 
     start: int
     end: int
-    parts: list[tuple[int, memoryview]]
+    parts: list[RangeInto]
 
 
-def coalesce(ranges: Sequence[tuple[int, memoryview]], gap: int, request_size: int) -> list[Request]:
+def coalesce(ranges: Sequence[RangeInto], gap: int, request_size: int) -> list[Request]:
     """GETs for ``ranges``: each range split at ``request_size``, then neighbours closer than ``gap``
     merged while the GET stays within ``request_size`` (a byte in a gap costs less than a request)."""
-    pieces: list[tuple[int, memoryview]] = []
+    pieces: list[RangeInto] = []
     for offset, view in ranges:
         for done in range(0, len(view), request_size):
-            pieces.append((offset + done, view[done:done + request_size]))
+            pieces.append(RangeInto(offset + done, view[done:done + request_size]))
     pieces.sort(key=lambda p: p[0])
     requests: list[Request] = []
     for offset, view in pieces:
@@ -575,124 +484,7 @@ def coalesce(ranges: Sequence[tuple[int, memoryview]], gap: int, request_size: i
         if last is not None and offset - last.end <= gap and offset >= last.start \
                 and max(end, last.end) - last.start <= request_size:
             last.end = max(last.end, end)
-            last.parts.append((offset, view))
+            last.parts.append(RangeInto(offset, view))
         else:
-            requests.append(Request(offset, end, [(offset, view)]))
+            requests.append(Request(offset, end, [RangeInto(offset, view)]))
     return requests
-
-
-# --------------------------------------------------------------------------- safetensors
-
-
-def read_safetensors_header(store: Store, key: str) -> SafetensorsFile:
-    """Open ``key`` and parse its header: one GET of ``header_prefetch`` bytes, a second only if the
-    header is longer. The object is pinned by the first response's size and ETag."""
-    return store.run(_read_header(store, key), uri=store.uri_of(key), rounds=3)
-
-
-async def _read_header(store: Store, key: str) -> SafetensorsFile:
-    source, head = await store.open_with_prefix(key, int(store.config.header_prefetch))
-    n = header_length(source.uri, head, source.size)
-    raw = bytes(head[8:8 + n])
-    if len(raw) < n:
-        rest, _ = await source._get(8 + len(raw), 8 + n, None)
-        raw += bytes(rest)
-    return parse_file(source, raw)
-
-
-def read_safetensors_headers(store: Store, keys: Sequence[str]) -> list[SafetensorsFile]:
-    """Headers of many objects, requested concurrently (a 100-shard checkpoint opens in ~one round trip)."""
-
-    async def all_headers() -> list[SafetensorsFile]:
-        results = await asyncio.gather(*(_read_header(store, k) for k in keys), return_exceptions=True)
-        for r in results:
-            if isinstance(r, BaseException):
-                raise r
-        return [r for r in results if not isinstance(r, BaseException)]
-
-    rounds = 3 * ceil_div(len(keys), store.in_flight)
-    return store.run(all_headers(), uri=store.root.uri, rounds=max(rounds, 1))
-
-
-# --------------------------------------------------------------------------- discovery
-
-
-@dataclass(frozen=True)
-class RemoteLayout:
-    """What ``discover`` found: the shards to open and, if there is one, the index's weight map."""
-
-    root: ObjectURI
-    keys: list[str]
-    index_key: str | None = None
-    weight_map: dict[str, str] | None = None
-
-
-def discover(store: Store, root: ObjectURI) -> RemoteLayout:
-    """The objects of the checkpoint at ``root``, by the same rules as a local directory.
-
-    ``.../x.safetensors`` is one object; a prefix with ``model.safetensors.index.json`` (or
-    exactly one ``*.safetensors.index.json``) is the files its weight map names; otherwise every
-    ``*.safetensors`` directly below the prefix. HTTP servers cannot list: there the index (or
-    ``model.safetensors``) is fetched by name.
-    """
-    return store.run(_discover(store, root), uri=root.uri, rounds=3)
-
-
-async def _discover(store: Store, root: ObjectURI) -> RemoteLayout:
-    if root.key.endswith(".safetensors"):
-        return RemoteLayout(root, [root.key])
-    if root.family == "http":
-        return await _discover_unlisted(store, root)
-    # The usual index is asked for together with the listing: one round trip fewer to open.
-    listing, usual = await asyncio.gather(store.list_dir(root.key + "/" if root.key else ""),
-                                          _from_index(store, root, INDEX_NAME), return_exceptions=True)
-    if isinstance(listing, BaseException):
-        raise listing
-    names = {o.key.rsplit("/", 1)[-1]: o for o in listing}
-    index = INDEX_NAME if INDEX_NAME in names else None
-    if index is None:
-        indexes = sorted(n for n in names if n.endswith(".safetensors.index.json"))
-        index = indexes[0] if len(indexes) == 1 else None
-    if index is not None:
-        # The answer for the usual index counts only if the listing has it (then its error too).
-        layout = await _from_index(store, root, index) if index != INDEX_NAME else usual
-        if isinstance(layout, BaseException):
-            raise layout
-        _check_listed(store, root, index, layout, {o.key for o in listing})
-        return layout
-    shards = sorted(n for n in names if n.endswith(".safetensors"))
-    if not shards:
-        raise MissingFileError("no *.safetensors objects below this prefix", file=root.uri)
-    return RemoteLayout(root, [root.child(n).key for n in shards])
-
-
-def _check_listed(store: Store, root: ObjectURI, index: str, layout: RemoteLayout, listed: set[str]) -> None:
-    """Every object the index names is in the listing (only direct children are listed; an
-    object further down is checked when it is opened)."""
-    for key in layout.keys:
-        if key not in listed and "/" not in key.removeprefix(root.child("").key):
-            example = next(t for t, f in (layout.weight_map or {}).items() if root.child(f).key == key)
-            raise MissingFileError(f"index {index} maps tensors to this object but it does not exist",
-                                   file=store.uri_of(key), tensor=example)
-
-
-async def _from_index(store: Store, root: ObjectURI, index: str) -> RemoteLayout:
-    key = root.child(index).key
-    weight_map = parse_weight_map(store.uri_of(key), await store.get_all(key))
-    files = list(dict.fromkeys(weight_map.values()))
-    return RemoteLayout(root, [root.child(f).key for f in files], key, weight_map)
-
-
-async def _discover_unlisted(store: Store, root: ObjectURI) -> RemoteLayout:
-    try:
-        return await _from_index(store, root, INDEX_NAME)
-    except MissingFileError:
-        pass
-    single = root.child("model.safetensors")
-    try:
-        await store.head(single.key)
-    except MissingFileError:
-        raise MissingFileError(f"neither {INDEX_NAME} nor model.safetensors below this URL (an HTTP server "
-                               "cannot be listed: name a .safetensors object or provide an index)",
-                               file=root.uri) from None
-    return RemoteLayout(root, [single.key])

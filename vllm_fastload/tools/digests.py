@@ -74,3 +74,10 @@ def _digest_on_first_step(method: Any, prefix: str, module: nn.Module, out: dict
         method.process_weights_after_loading = process_weights_after_loading
         method._digest_modules = seen
     seen[id(module)] = (prefix, module)
+
+
+def fastload_report(loader: object) -> dict[str, Any] | None:
+    """What fastload's loader reports of its last load (``LoadReport.as_dict``), for the results
+    these tools write; None for another engine loader, or where fastload did not load."""
+    report = getattr(loader, "report", None)
+    return None if report is None else report.as_dict()

@@ -98,17 +98,6 @@ def remove_logged_cpu_shm(log: Path) -> list[Path]:
     return remove_cpu_shm(cpu_shm_idents(log.read_text(errors="replace")), ended=time.time())
 
 
-def remove_stale_cpu_shm(min_age_s: float, *, shm_dir: Path = SHM_DIR) -> list[Path]:
-    """Remove the shared-memory files earlier starts left: unchanged for ``min_age_s`` and mapped
-    or held open by no process. Returns the files removed."""
-    cutoff = time.time() - min_age_s
-    stale = [f for f in shm_dir.glob("*-cpushm_*") if _mtime(f) < cutoff]
-    if stale:
-        used = _files_in_use()
-        stale = [f for f in stale if str(f) not in used]
-    return _remove(stale)
-
-
 def _remove(files: list[Path]) -> list[Path]:
     removed = []
     for f in files:
@@ -125,24 +114,3 @@ def _mtime(path: Path) -> float:
         return path.stat().st_mtime
     except OSError:
         return float("inf")
-
-
-def _files_in_use() -> set[str]:
-    """Every file some process (that we may inspect) maps or holds open."""
-    used: set[str] = set()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/maps") as maps:
-                for line in maps:
-                    fields = line.split(maxsplit=5)  # address perms offset device inode [path]
-                    if len(fields) == 6:
-                        used.add(fields[5].rstrip())
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:  # ended meanwhile, or not ours to inspect
-            continue
-        for fd in fds:
-            try:
-                used.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
-            except OSError:  # closed meanwhile
-                pass
-    return used

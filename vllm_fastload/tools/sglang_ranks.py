@@ -63,7 +63,7 @@ def load_and_digest(path: str, load_format: str, extra: dict, dtype: str, device
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.model_loader.loader import DefaultModelLoader, get_model_loader
 
-    from vllm_fastload.tools.digests import parameter_digests
+    from vllm_fastload.tools.digests import fastload_report, parameter_digests
 
     loaded: dict[str, str] = {}
     state: dict = {}
@@ -88,7 +88,7 @@ def load_and_digest(path: str, load_format: str, extra: dict, dtype: str, device
         DefaultModelLoader.postprocess_weights = original
     seconds = time.perf_counter() - start
     digests = {**loaded, **({} if "post_error" in state else parameter_digests(model))}
-    report = dict(getattr(loader, "report", None) or {}) or None
+    report = fastload_report(loader)
     out = {"digests": digests, "report": report, "seconds": round(seconds, 3), "loader": type(loader).__name__}
     if "post_error" in state:
         out["post_error"] = state["post_error"]

@@ -50,7 +50,7 @@ def load_and_digest(path: str, tp: int, load_format: str, extra: dict, dtype: st
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader import get_model_loader
 
-    from vllm_fastload.tools.digests import digests_before_post_processing, parameter_digests
+    from vllm_fastload.tools.digests import digests_before_post_processing, fastload_report, parameter_digests
 
     config = engine_config(path, tp, load_format, extra, dtype)
     loaded: dict[str, str] = {}
@@ -77,7 +77,7 @@ def load_and_digest(path: str, tp: int, load_format: str, extra: dict, dtype: st
         model = loader.load_model(vllm_config=config, model_config=config.model_config)
     seconds = time.perf_counter() - start
     digests = {**loaded, **parameter_digests(model)}
-    report = dict(getattr(loader, "report", None) or {}) or None
+    report = fastload_report(loader)
     del model
     return {"digests": digests, "report": report, "seconds": round(seconds, 3)}
 

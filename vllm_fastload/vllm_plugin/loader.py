@@ -8,6 +8,7 @@ vLLM beyond its public loader base class goes through ``compat``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -23,6 +24,7 @@ from vllm_fastload.errors import CheckpointError
 from vllm_fastload.model import early
 from vllm_fastload.model.options import loader_config
 from vllm_fastload.model.rank import load_rank, model_device
+from vllm_fastload.model.report import LoadReport
 from vllm_fastload.sources import is_remote
 from vllm_fastload.vllm_plugin import compat, model_hooks
 from vllm_fastload.vllm_plugin.cpus import reader_cpus
@@ -47,7 +49,7 @@ class FastloadModelLoader(BaseModelLoader):
         self.config = loader_config(load_config.model_loader_extra_config, "vLLM")
         #: What the last ``load_weights`` did on this rank (also logged): for tests and tools that
         #: load in-process, e.g. tests/vllm/zoo.py.
-        self.report: dict[str, object] = {}
+        self.report: LoadReport | None = None
         #: Where vLLM post-processes, while ``load_model`` runs (None: ``load_weights`` called on
         #: its own, e.g. by a weight reload, which post-processes in its own way).
         self._post_device: torch.device | None = None
@@ -81,7 +83,7 @@ class FastloadModelLoader(BaseModelLoader):
             logger.warning("fastload: %s also loads weights from %s (secondary_weights): loading it with vLLM's "
                            "default loader", type(model).__name__, ", ".join(s.model_or_path for s in secondary))
             compat.load_with_default_loader(self.load_config, model, model_config)
-            self.report = {"rank": rank, "world": world, "planned": False, "fallback_reason": "secondary_weights"}
+            self.report = LoadReport.left_to_engine(rank, world, "secondary_weights")
             return
         files = model_hooks.checkpoint_files(model, path)
         post = self._post_processor(model)
@@ -92,10 +94,11 @@ class FastloadModelLoader(BaseModelLoader):
         line = report.line()
         if post is not None:
             line += f"; {post.processed} modules post-processed as their layer completed"
+            report = dataclasses.replace(report, post_processed=post.processed)
         if config.cpus:
             line += f"; reader threads on CPUs {','.join(map(str, config.cpus))}"
         logger.info("%s", line)
-        self.report = report.as_dict(post_processed=post.processed if post is not None else 0)
+        self.report = report
         loaded = report.loaded if post is None or report.loaded is None else report.loaded | post.added
         self._check_complete(model, model_config, loaded, path)
 
@@ -128,7 +131,7 @@ class FastloadModelLoader(BaseModelLoader):
             return model
         return compat.download_weights(model, self.load_config.download_dir, model_config.revision)
 
-    def _check_complete(self, model: nn.Module, model_config: ModelConfig, loaded: set[str] | None,
+    def _check_complete(self, model: nn.Module, model_config: ModelConfig, loaded: frozenset[str] | None,
                         path: str) -> None:
         """The default loader's strict check: every parameter must come from the checkpoint.
 

@@ -17,11 +17,13 @@ if os.environ.get("VERIFY_FAULT_RANK"):
 
         reads = _plan_reads(probe, infos, strided_min_skip)
         if dist.is_initialized() and dist.get_rank() == int(os.environ["VERIFY_FAULT_RANK"]):
-            for req in sorted(reads.targets, key=lambda r: r.key or r.name):
+            targets = dict(reads.targets)
+            for req in sorted(targets, key=lambda r: r.key or r.name):
                 if req.dim == 0 and req.start > 0:
-                    reads.targets[dataclasses.replace(req, start=req.start - 1)] = reads.targets.pop(req)
+                    targets[dataclasses.replace(req, start=req.start - 1)] = targets.pop(req)
                     print(f"VERIFY_FAULT: {req.name} read from row {req.start - 1} on this rank", flush=True)
                     break
+            reads = dataclasses.replace(reads, targets=targets)
         return reads
 
     _rank.plan_reads = _faulty_plan_reads

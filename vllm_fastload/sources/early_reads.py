@@ -104,8 +104,8 @@ def coalesce(spans: Iterable[tuple[int, int]], gap: int) -> tuple[tuple[int, int
     return tuple((start, end) for start, end in merged)
 
 
-def read_ahead(paths: Sequence[str | FileRanges], *, limit: int, hold: LoadMarks | None = None,
-               hold_s: float = 0.0, starved_s: float | None = None) -> EarlyReads | None:
+def start_reading(paths: Sequence[str | FileRanges], *, limit: int, hold: LoadMarks | None = None,
+                  hold_s: float = 0.0, starved_s: float | None = None) -> ReadingProcess | None:
     """Start reading ``paths`` (each a whole file, or some ranges of one) into the page cache in a
     process of its own, if together they fit in ``limit`` bytes; None (and nothing done) otherwise.
 
@@ -127,7 +127,10 @@ def read_ahead(paths: Sequence[str | FileRanges], *, limit: int, hold: LoadMarks
     if not sys.executable:
         logger.info("fastload: no early reads: no Python interpreter to run them in (sys.executable is empty)")
         return None
-    request = {"paths": files, "spans": spans, "total": total, "hold_s": hold_s, "low_memory": LOW_MEMORY,
+    from vllm_fastload import policy  # here: the reading process runs this file without the package
+
+    request = {"paths": files, "spans": spans, "total": total, "hold_s": hold_s,
+               "low_memory": policy.EARLY_READS_LOW_MEMORY,
                "main_thread": threading.current_thread() is threading.main_thread(),
                "marks": None if hold is None else [hold.directory, hold.expected], "parent": os.getpid(),
                "starved_s": starved_s}
@@ -142,13 +145,13 @@ def read_ahead(paths: Sequence[str | FileRanges], *, limit: int, hold: LoadMarks
             process.stdin.write(json.dumps(request).encode())
         except BrokenPipeError:
             pass  # it ended at once: its status is logged
-    reads = EarlyReads(process, hold)
+    reads = ReadingProcess(process, hold)
     reads.start()
     atexit.register(reads.end)
     return reads
 
 
-class EarlyReads(threading.Thread):
+class ReadingProcess(threading.Thread):
     """The reading process, seen from the process that started it: a daemon thread that logs what
     the process reports (through this process's logger) and ends when the process has ended."""
 
@@ -202,9 +205,6 @@ MADV_POPULATE_READ = 22  # Linux 5.14
 PR_SET_PDEATHSIG = 1
 #: Seconds between two looks for the loads' marks.
 POLL_S = 0.2
-#: Held files are let go early when less than this share of a memory limit (the machine's memory,
-#: a cgroup's limit) is free under it.
-LOW_MEMORY = 0.1
 
 
 def _serve(request: dict[str, Any]) -> None:
