@@ -26,6 +26,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,6 +40,15 @@ from vllm_fastload.tools.processes import cpu_shm_idents, remove_logged_cpu_shm
 from vllm_fastload.tools.vllm_server import SMALL_MODEL_FLAGS, free_port, vllm_env
 
 from .conftest import run_scenario
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A directory with a short path for a server's TMPDIR: vLLM makes its ZMQ sockets there,
+    whose paths may not exceed 107 bytes (a test's ``tmp_path`` can be longer)."""
+    path = Path(tempfile.mkdtemp(prefix="fl-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 pytestmark = pytest.mark.vllm
 
@@ -147,7 +157,8 @@ def llama_copy(checkpoints: dict[str, Path], tmp_path: Path) -> Path:
 
 
 @pytest.mark.skipif(faultfs.why_not() is not None, reason=str(faultfs.why_not()))
-def test_an_io_error_mid_load_ends_a_tp2_start_naming_the_file_and_offset(llama_copy: Path, tmp_path: Path):
+def test_an_io_error_mid_load_ends_a_tp2_start_naming_the_file_and_offset(llama_copy: Path, tmp_path: Path,
+                                                                          short_tmp: Path):
     """EIO for the reads of one page of a weight that rank 0 reads (its rows of layer 1's
     gate_proj): the start fails within a bound, the server exits non-zero, and the log names the
     error, the file and the offset; nothing of the start is left running."""
@@ -157,7 +168,7 @@ def test_an_io_error_mid_load_ends_a_tp2_start_naming_the_file_and_offset(llama_
     with vllm_fastload.open(str(llama_copy)) as ckpt:
         info = ckpt.info(tensor)
     file = Path(info.file).name
-    log, fslog, tmpdir = tmp_path / "server.log", tmp_path / "faultfs.log", tmp_path / "tmp"
+    log, fslog, tmpdir = tmp_path / "server.log", tmp_path / "faultfs.log", short_tmp / "tmp"
     with faultfs.mounted(llama_copy, tmp_path / "mount", faultfs.Fault("eio", file, info.start + 64), fslog) as mount:
         started, shm_before = time.monotonic(), _shm()
         proc = _server(mount, 2, log, tmpdir)
@@ -217,13 +228,13 @@ def _slow_disk(checkpoint: Path, work: Path) -> Iterator[tuple[Path, Path]]:
         subprocess.run(["losetup", "-d", loop], check=False)
 
 
-def _killed_start(model: Path, slow: Path, tmp_path: Path, name: str, kill: str) -> str:
+def _killed_start(model: Path, slow: Path, tmp_path: Path, short_tmp: Path, name: str, kill: str) -> str:
     """A TP=2 start of ``model`` (on the slow disk, evicted from the page cache first) by a server
     in the throttled group ``slow``, killed once both ranks have begun their loads: ``worker``
     SIGKILLs rank 1's process, ``server`` SIGTERMs the server's process group. Returns its log, having checked
     that nothing of it is left."""
     evict(sorted(str(p) for p in model.glob("*.safetensors")))
-    log, tmpdir, shm_before = tmp_path / f"{name}.log", tmp_path / f"{name}-tmp", _shm()
+    log, tmpdir, shm_before = tmp_path / f"{name}.log", short_tmp / name, _shm()
     proc = _server(model, 2, log, tmpdir, groups=[slow])
     try:
         _wait_for(log, r"fastload: early reads: \d+ checkpoint files", proc, timeout=240)
@@ -251,10 +262,11 @@ def _killed_start(model: Path, slow: Path, tmp_path: Path, name: str, kill: str)
 
 
 @pytest.mark.skipif(slow_disk_reason() is not None, reason=str(slow_disk_reason()))
-def test_killed_starts_leave_nothing_behind_and_the_next_start_is_exact(checkpoints, scenarios, tmp_path: Path):
+def test_killed_starts_leave_nothing_behind_and_the_next_start_is_exact(checkpoints, scenarios, tmp_path: Path,
+                                                                        short_tmp: Path):
     with _slow_disk(checkpoints["llama-gqa"], tmp_path) as (model, slow):
-        _killed_start(model, slow, tmp_path, "worker-killed", "worker")
-        _killed_start(model, slow, tmp_path, "server-terminated", "server")
+        _killed_start(model, slow, tmp_path, short_tmp, "worker-killed", "worker")
+        _killed_start(model, slow, tmp_path, short_tmp, "server-terminated", "server")
         # The next start, outside the throttled group: what the killed ones left must not change it.
         fast = run_scenario(tmp_path, "after-the-kills", model, "fastload", 2)
     ref = scenarios.get("llama-gqa", checkpoints["llama-gqa"], "safetensors", 2)
