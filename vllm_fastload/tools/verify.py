@@ -119,6 +119,7 @@ def rank_main(rank: int, tp: int, port: int, out_dir: str, paths: list[str], mod
         # vLLM's groups hold a shared-memory broadcast queue (rank 0 creates it); destroyed here,
         # rank 0 unlinks it. Left to the interpreter's exit, it outlived the rank and Python's
         # resource tracker reported it as leaked.
+        gc.unfreeze()  # the groups too were set aside by ``_freeze_heap``: collectable again
         destroy_model_parallel()
         destroy_distributed_environment()
         gc.collect()
@@ -131,12 +132,22 @@ def _load_all(rank: int, out_dir: str, paths: list[str], modes: dict, tp: int, d
         entry: dict = {}
         try:
             for mode, (load_format, extra) in {**modes, **(more or {}).get(path, {})}.items():
+                _freeze_heap()
                 entry[mode] = load_and_digest(path, tp, load_format, extra, dtype)
         except BaseException as exc:  # recorded per checkpoint; the others still run
             entry["error"] = f"{type(exc).__name__}: {exc}"
             entry["traceback"] = traceback.format_exc()
         results[path] = entry
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+
+
+def _freeze_heap() -> None:
+    """Set what this process holds before a load (vLLM's, torch's and transformers' modules, the
+    results so far) aside from the garbage collector, as vLLM's engine does once it has started
+    (``gc.freeze``). vLLM's ``load_model`` runs two full collections per load, and over that heap
+    they took most of a small checkpoint's load; what a load allocates is still collected as before."""
+    gc.collect()
+    gc.freeze()
 
 
 def run_ranks(paths: list[str], tp: int, out_dir: str | Path, modes: Mapping[str, tuple[str, dict]] = DEFAULT_MODES,
