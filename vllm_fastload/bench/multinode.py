@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_fastload.bench.machine import evict
-from vllm_fastload.bench.vllm import LLM_KWARGS, LOADERS, root_cause
+from vllm_fastload.bench.vllm import LLM_KWARGS, LOADERS, parse_target_spec, root_cause
 from vllm_fastload.tools.checkpoints import write_checkpoint
 from vllm_fastload.tools.processes import remove_logged_cpu_shm
 from vllm_fastload.tools.vllm_server import free_port, vllm_env
@@ -259,7 +259,8 @@ def main(args: argparse.Namespace) -> int:
     unknown = [n for n in loaders if n not in LOADERS]
     if unknown:
         raise SystemExit(f"unknown loader(s) {', '.join(unknown)}; known: {', '.join(LOADERS)}")
-    targets = _parse_targets(args.targets)
+    targets = parse_target_spec(args.targets, {name: limit for name, (limit, _) in TARGETS.items()}, TARGETS,
+                                " for --nodes 2")
     local = Path(args.model or write_checkpoint(".fastload/netfs-llama", "netfs-llama", files=4))
     total = sum(p.stat().st_size for p in local.glob("*.safetensors"))
     work = Path(args.out) / "multinode-runs"
@@ -378,21 +379,6 @@ def print_table(rows: list[dict], total: int, source: str, layout: str) -> None:
           "download included; local: read by each node's rank), node0/node1: each node's; early: the largest "
           "share of the checkpoint's layers a node read early (its log line); cached: the smallest share of the "
           "tensors a rank reads that it found in the page cache as its reads began")
-
-
-def _parse_targets(spec: str | None) -> dict[str, float]:
-    if not spec:
-        return {}
-    out: dict[str, float] = {}
-    for item in spec.split(","):
-        name, _, value = item.strip().partition("=")
-        if name == "all":
-            out.update({n: limit for n, (limit, _) in TARGETS.items()})
-        elif name in TARGETS:
-            out[name] = float(value) if value else TARGETS[name][0]
-        else:
-            raise SystemExit(f"unknown target {name!r} for --nodes 2; known: all, {', '.join(TARGETS)}")
-    return out
 
 
 def check(rows: list[dict], targets: dict[str, float], layout: str) -> list[dict]:

@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -548,18 +548,26 @@ SOURCE_TARGETS = {"local": ["cold-tp1", "cold-tp2", "warm-floor", "warm-default"
 def parse_targets(spec: str | None, source: str = "local") -> dict[str, float]:
     """``--targets all`` (this source's targets) or ``cold-tp1,disk-tp2=0.55``: names from TARGETS,
     optional own limits."""
+    return parse_target_spec(spec, {name: limit for name, (limit, _) in TARGETS.items()}, SOURCE_TARGETS[source])
+
+
+def parse_target_spec(spec: str | None, limits: dict[str, float], every: Iterable[str],
+                      where: str = "") -> dict[str, float]:
+    """``spec`` (``all``, or names from ``limits`` each with an optional ``=limit``) as each named
+    target's limit; ``all`` stands for ``every``. An unknown name or a limit that is no number
+    ends the command, ``where`` saying for which."""
     if not spec:
         return {}
     out: dict[str, float] = {}
     for item in spec.split(","):
         name, _, value = item.strip().partition("=")
         if name == "all":
-            out.update({n: TARGETS[n][0] for n in SOURCE_TARGETS[source]})
+            out.update({n: limits[n] for n in every})
             continue
-        if name not in TARGETS:
-            raise SystemExit(f"unknown target {name!r}; known: all, {', '.join(TARGETS)}")
+        if name not in limits:
+            raise SystemExit(f"unknown target {name!r}{where}; known: all, {', '.join(limits)}")
         try:
-            out[name] = float(value) if value else TARGETS[name][0]
+            out[name] = float(value) if value else limits[name]
         except ValueError:
             raise SystemExit(f"target {name}: {value!r} is not a number") from None
     return out
