@@ -127,8 +127,8 @@ def _start(start: Start, engine: str) -> None:
     limit = f"the lowest memory limit: {memory.limit.describe()}"
     if share is None:
         every = "" if scope is policy.EarlyScope.EVERY_FILE else f"; {scope.value}"
-        logger.info("fastload: early reads: %d checkpoint files (%.2f GB)%s into the page cache while %s starts "
-                    "(%s%s)", len(files), total / 1e9, source, engine, limit, every)
+        logger.info("fastload: early reads: %d checkpoint files (%.2f GB)%s into the page cache while %s starts%s "
+                    "(%s)", len(files), total / 1e9, source, engine, every, limit)
         return
     assert start.layout is not None
     logger.info("fastload: early reads: %d checkpoint files (%.2f of %.2f GB: %.3f of the checkpoint, %.3f of its "
