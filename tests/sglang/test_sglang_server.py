@@ -7,7 +7,7 @@ must give the same greedy output ids through ``/generate``; the fastload start m
 rank line from every scheduler, its early reads once per launch (SGLang's ``resolve_once`` hook
 runs in every process that publishes the arguments; only the guard in ``model/early.py`` keeps
 the reads to one), and those reads must end when the loads have. A checkpoint fastload refuses
-ends the start: the ``CheckpointError`` naming the file and tensor in the server's log, a
+(a tensor of the wrong dtype) ends the start: the ``CheckpointError`` naming the file and tensor in the server's log, a
 non-zero exit soon after, no process of the server left running. Each start costs tens of
 seconds, so each is asserted on at once.
 
@@ -77,12 +77,13 @@ def test_a_server_started_with_fastload_answers_as_with_sglangs_default_loader(m
 
 
 def test_a_bad_checkpoint_ends_the_start_naming_file_and_tensor(tmp_path):
-    """The checkpoint's k_proj has the wrong shape: fastload's ``CheckpointError`` on a rank ends the
-    start at TP=2 (the other rank too), and nothing of the server keeps running."""
+    """The checkpoint's k_proj has the wrong dtype (int32 for bfloat16, which no loader may cast):
+    fastload's ``CheckpointError`` on a rank ends the start at TP=2 (the other rank too), and nothing
+    of the server keeps running."""
     k = "model.layers.0.self_attn.k_proj.weight"
     whole = write_checkpoint(tmp_path / "llama", "tiny-llama", files=1, index=False)
     broken = rewrite(whole, tmp_path / "broken", lambda t: t.__setitem__(
-        k, torch.zeros(t[k].shape[0] + 8, t[k].shape[1], dtype=t[k].dtype)))
+        k, torch.zeros(t[k].shape, dtype=torch.int32)))
     server = SglangServer(broken, ["--load-format", "fastload", *SMALL_MODEL_FLAGS], tp=2,
                           log_path=tmp_path / "server.log", startup_timeout=300)
     try:

@@ -12,7 +12,7 @@
 To have the reads surely under way when the kill comes, without a checkpoint of many GB, the
 killed starts read the checkpoint from a disk of its own (an ext4 image on a loop device) that a
 cgroup v1 ``blkio`` group throttles for the server and everything it starts (a slow disk, made by
-the kernel): the early reads and the ranks' reads then take a minute, and the next start, outside
+the kernel): the early reads and the ranks' reads then take minutes, and the next start, outside
 the group, reads it at full speed.
 """
 
@@ -187,8 +187,10 @@ def test_an_io_error_mid_load_ends_a_tp2_start_naming_the_file_and_offset(llama_
     assert f"file '{mount / file}'" in failure.group(0) and "at offset" in failure.group(0), failure.group(0)
 
 
-#: Bytes per second the killed starts may read from the checkpoint's disk.
-THROTTLE_BPS = 16 << 10
+#: Bytes per second the killed starts may read from the checkpoint's disk: slow enough that the
+#: early reads of the 0.8 MB checkpoint (over three minutes) cannot finish before a slow start's
+#: ranks begin their loads, which then wait on the disk too.
+THROTTLE_BPS = 4 << 10
 
 
 def slow_disk_reason() -> str | None:
@@ -242,7 +244,7 @@ def _killed_start(model: Path, slow: Path, tmp_path: Path, short_tmp: Path, name
         while len(begun := list(tmpdir.glob("fastload-loads-*/begun-*"))) < 2:
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-5000:]
             time.sleep(0.1)
-        time.sleep(1.0)  # the ranks are reading: at THROTTLE_BPS their reads take a minute
+        time.sleep(1.0)  # the ranks are reading: at THROTTLE_BPS their reads take minutes
         reading = [p for p in _session(proc.pid) if "early_reads.py" in p]
         assert reading, f"the early reads had ended before the kill: {_session(proc.pid)}"
         killed_at = time.monotonic()
