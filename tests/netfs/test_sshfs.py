@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,7 @@ from safetensors import safe_open
 import vllm_fastload
 from vllm_fastload import policy
 from vllm_fastload.bench import netfs
+from vllm_fastload.readers import pagecache
 from vllm_fastload.sources import fstype
 from vllm_fastload.tp_rules import rank_requests
 
@@ -165,3 +169,27 @@ def test_no_row_exchange_by_default_on_a_network_filesystem(mounted: Path, local
     assert offer() is False
     assert offer(row_exchange="always") is True
     assert offer(row_exchange="never") is False
+
+
+#: A reader that reads a file to its end, then exits.
+_READ_TO_END = "import sys\nf = open(sys.argv[1], 'rb')\nwhile f.read(1 << 20):\n    pass"
+
+
+@pytest.mark.parametrize(("options", "kept"), [((), False), (("auto_cache",), True), (("kernel_cache",), True)],
+                         ids=["defaults", "auto_cache", "kernel_cache"])
+def test_early_reads_survive_a_ranks_open_on_sshfs_only_with_a_cache_option(
+        local_checkpoint: Path, options: tuple[str, ...], kept: bool) -> None:
+    """What docs/network-filesystems.md says of early reads on sshfs: with its defaults, FUSE drops a
+    file's page cache whenever a process opens it, so what one process read (early reads) is gone
+    when the next (a rank) opens the file; ``-o auto_cache`` (kept while the file is unchanged) or
+    ``-o kernel_cache`` keeps it."""
+    require_sshfs()
+    with netfs.sshfs_mount(local_checkpoint, options) as mount:
+        path = next(mount.glob("*.safetensors"))
+        subprocess.run([sys.executable, "-c", _READ_TO_END, str(path)], check=True)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            share = pagecache.cached_share(fd, 0, os.fstat(fd).st_size, samples=64)
+        finally:
+            os.close(fd)
+    assert share == (1.0 if kept else 0.0), share
