@@ -30,6 +30,13 @@ TP1_LOG = """\
 [2026-11-28 00:08:27] Load weight end. elapsed=1.17 s, type=LlamaForCausalLM, avail mem=17.7 GB, mem usage=1.6 GB.
 """
 DEFAULT_LOG = "[2026-11-28 00:15:57] Load weight end. elapsed=3.78 s, type=LlamaForCausalLM, avail mem=1 GB\n"
+#: SGLang's default loader at TP=2: rank 0's progress bar, without a line break, then rank 1's line.
+DEFAULT_TP2_LOG = """\
+Multi-thread loading shards:  75% Completed | 3/4 [00:01<00:00,  1.70it/s][2026-11-28 03:08:36 TP1] Load weight end. \
+elapsed=2.52 s, type=LlamaForCausalLM, avail mem=19.54 GB
+Multi-thread loading shards: 100% Completed | 4/4 [00:02<00:00,  1.70it/s]
+[2026-11-28 03:08:36 TP0] Load weight end. elapsed=2.58 s, type=LlamaForCausalLM, avail mem=19.50 GB
+"""
 
 
 def test_each_ranks_numbers_and_the_early_reads_are_read_from_the_log():
@@ -40,6 +47,7 @@ def test_each_ranks_numbers_and_the_early_reads_are_read_from_the_log():
     assert tp1.load_s == {0: 1.17} and tp1.early_gb == 1.67  # finished before the load: all of it
     default = StartLog.parse(DEFAULT_LOG)
     assert default.load_s == {0: 3.78} and default.read_share == {} and default.early_gb is None
+    assert StartLog.parse(DEFAULT_TP2_LOG).load_s == {0: 2.58, 1: 2.52}  # a line after a progress bar too
 
 
 def _row(tp: int, cache: str, loader: str, load: float, ready: float, share: tuple = ()) -> dict:

@@ -28,8 +28,9 @@ from vllm_fastload.tools.vllm_server import free_port
 SMALL_MODEL_FLAGS = ["--skip-tokenizer-init", "--max-total-tokens", "2048"]
 
 #: SGLang's line as each rank's weights are loaded: ``[2026-01-01 10:00:00 TP1] Load weight end.
-#: elapsed=0.46 s, ...`` (the rank named in the prefix at TP>1 only).
-LOAD_END = re.compile(r"^\[[^\]]*?(?: TP(\d+))?\] Load weight end\. elapsed=([\d.]+) s", re.MULTILINE)
+#: elapsed=0.46 s, ...`` (the rank named in the prefix at TP>1 only). Not anchored to a line's start:
+#: another rank's progress bar may end on the same line, before it.
+LOAD_END = re.compile(r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(?: TP(\d+))?\] Load weight end\. elapsed=([\d.]+) s")
 #: fastload's line per rank: ``fastload rank 1/2: read 835.9 MB of 1671.6 MB checkpoint (0.500, ...``.
 RANK_LINE = re.compile(r"fastload rank (\d+)/(\d+): read [\d.]+ MB of [\d.]+ MB checkpoint \(([\d.]+),")
 #: fastload's early-reads lines: the start (once per launch), and how far they came before the load.
