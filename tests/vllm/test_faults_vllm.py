@@ -130,6 +130,15 @@ def _assert_nothing_left(proc: subprocess.Popen, tmpdir: Path, log: Path, shm_be
     text = log.read_text(errors="replace")
     vllms = cpu_shm_idents(text)
     left = sorted(f for f in _shm() - shm_before if not any(f.startswith(ident + "-") for ident in vllms))
+    if early_reads_terminated:
+        # The signal reached Python's multiprocessing resource tracker of vLLM's processes too,
+        # which would have unlinked their shared memory (psm_*) and semaphores (sem.mp-*): those
+        # are vLLM's, left as a killed service leaves them; fastload makes nothing in /dev/shm.
+        orphans = [f for f in left if f.startswith(("psm_", "sem.mp-"))]
+        for name in orphans:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join("/dev/shm", name))
+        left = [f for f in left if f not in orphans]
     assert not left, f"left in /dev/shm: {left}"
     remove_logged_cpu_shm(log)
     ended = re.findall(r"fastload: early reads: the reading process ended with status (-?\d+)", text)
