@@ -283,12 +283,10 @@ def _killed_start(model: Path, slow: Path, tmp_path: Path, short_tmp: Path, name
                 code = proc.wait(timeout=30)
     finally:
         _end(proc, signal.SIGKILL)
-    if escalated:  # the server had no exit handler to run: the next start removes its marks
-        removed = subprocess.run(
-            [sys.executable, "-c", "from vllm_fastload.sources.early_reads import LoadMarks\n"
-             "print(len(LoadMarks.remove_stale()))"], env={**os.environ, "TMPDIR": str(tmpdir)},
-            capture_output=True, text=True, check=True).stdout.strip()
-        assert removed == "1", removed
+    if escalated:  # the server ran no exit handler: what the next start does with marks left behind
+        # (the reading process, which got SIGTERM too, removes them itself as it ends)
+        subprocess.run([sys.executable, "-c", "from vllm_fastload.sources.early_reads import LoadMarks\n"
+                        "LoadMarks.remove_stale()"], env={**os.environ, "TMPDIR": str(tmpdir)}, check=True)
     _assert_nothing_left(proc, tmpdir, log, shm_before, early_reads_terminated=kill == "server")
     assert code != 0 if kill == "worker" else code in (0, -signal.SIGTERM, 1, -signal.SIGKILL), code
     return log.read_text(errors="replace")
