@@ -179,7 +179,7 @@ def table(rows: list[dict]) -> str:
 
 
 def verdicts(rows: list[dict], tps: list[int]) -> list[str]:
-    """Each target at each TP: the ratio from this run's medians, met or missed, or why it is not measured."""
+    """Each target at each TP: the ratio of the medians in ``rows``, met or missed, or why it is not measured."""
     out = []
 
     def ratio(name: str, tp: int, a: tuple[str, str], b: tuple[str, str], field: str) -> None:

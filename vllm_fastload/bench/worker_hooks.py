@@ -88,7 +88,7 @@ def _set_cache_state(cache: str | None, model_config, rank: int) -> None:
     """Keep a warm cache warm right before the clock starts, not only before vLLM starts.
 
     vLLM's start-up runs for tens of seconds before ``load_weights``, and a host may reclaim page
-    cache it finds idle meanwhile (DAMON's ``pageout`` scheme does): a "warm" run would then read
+    cache it finds idle meanwhile (a proactive reclaimer): a "warm" start would then read
     from disk. Rank 0 does it for all ranks (they share the page cache).
     A cold cache is made cold before the process starts (``bench.vllm``), never here: whatever a
     loader reads before ``load_weights`` (early reads) must count as the time it saves.
