@@ -78,13 +78,13 @@ def test_two_node_arguments_and_targets() -> None:
                                1000)
     assert rows[0]["pulled_median"] == pytest.approx(1.02) and rows[0]["seconds_median"] == 2.0
     assert rows[2] == {"loader": "safetensors-prefetch", "error": "x"}
-    got = {v["target"]: v for v in multinode.check(rows, multinode._parse_targets("all"), "pp")}
+    got = {v["target"]: v for v in multinode.check(rows, multinode.parse_targets("all"), "pp")}
     assert got["nodes-bytes"]["ok"] and "safetensors: 2.00x" in got["nodes-bytes"]["detail"]
     assert got["nodes-default"]["ok"] and got["nodes-default"]["value"] == pytest.approx(0.5)
     assert not got["nodes-prefetch"]["ok"] and got["nodes-prefetch"]["value"] is None  # its row failed
     assert got["nodes-early"]["ok"] and got["nodes-cached"]["value"] == pytest.approx(-0.95)
     with pytest.raises(SystemExit, match="unknown target"):
-        multinode._parse_targets("nodes-bytez")
+        multinode.parse_targets("nodes-bytez")
 
 
 def test_bytes_an_sshfs_server_sent_are_counted_per_mount(local_checkpoint) -> None:

@@ -131,13 +131,16 @@ def test_early_reads_start_where_vllm_builds_its_config_not_in_a_rank(tmp_path, 
     front end, ``LLM(...)``), not in a process that already is a rank of a group: there the load is
     next (``vllm-fastload verify`` builds a config per checkpoint in its ranks; reading there left a
     thread holding the files for minutes per checkpoint, waiting for marks no other rank leaves)."""
+    from vllm_fastload.model import early
     from vllm_fastload.tools.checkpoints import write_checkpoint
 
     path = write_checkpoint(tmp_path / "demo", "demo", files=2)
     script = tmp_path / "config.py"
     script.write_text(_EARLY_READS)
+    # Not what an earlier early-reads start in this test process left for its children.
+    env = {k: v for k, v in os.environ.items() if k not in (early.STARTED_ENV, early.MARKS_ENV)}
     out = subprocess.run([sys.executable, str(script), str(path), process], capture_output=True, text=True,
-                         timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                         timeout=600, env={**env, "HF_HUB_OFFLINE": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     expected = process == "front-end"
     line = next(line for line in out.stdout.splitlines() if line.startswith("early reads:"))

@@ -248,6 +248,11 @@ def _stop(proc: subprocess.Popen) -> None:
             continue
 
 
+def parse_targets(spec: str | None) -> dict[str, float]:
+    """``--targets`` of ``bench --nodes 2``: ``all`` or names from TARGETS, each with an optional limit."""
+    return parse_target_spec(spec, {name: limit for name, (limit, _) in TARGETS.items()}, TARGETS, " for --nodes 2")
+
+
 def main(args: argparse.Namespace) -> int:
     source = args.source if args.source in SOURCE_LOADERS else None
     if source is None:
@@ -259,8 +264,7 @@ def main(args: argparse.Namespace) -> int:
     unknown = [n for n in loaders if n not in LOADERS]
     if unknown:
         raise SystemExit(f"unknown loader(s) {', '.join(unknown)}; known: {', '.join(LOADERS)}")
-    targets = parse_target_spec(args.targets, {name: limit for name, (limit, _) in TARGETS.items()}, TARGETS,
-                                " for --nodes 2")
+    targets = parse_targets(args.targets)
     local = Path(args.model or write_checkpoint(".fastload/netfs-llama", "netfs-llama", files=4))
     total = sum(p.stat().st_size for p in local.glob("*.safetensors"))
     work = Path(args.out) / "multinode-runs"
