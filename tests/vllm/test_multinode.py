@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from vllm_fastload.bench.machine import evict
 
+from .conftest import assert_subsets
 from .multinode import PP_COMPILATION, run_two_nodes
 from .scenario import PROMPTS
 from .test_vllm_loader import SPLIT_LAYOUTS, assert_ok, summaries
@@ -46,26 +47,6 @@ def node_copies(src: Path, root: Path, broken: str | None = None) -> tuple[Path,
         save_file(tensors, shard, metadata={"format": "pt"})
     evict(sorted(str(p) for c in copies for p in c.glob("*.safetensors")))
     return copies[0], copies[1]
-
-
-#: vLLM's own rotary cache: no checkpoint tensor, and the first forward pass converts it to the
-#: activations' dtype, which the warm-up of a compiled start (``PP_COMPILATION``) runs and an
-#: eager reference start does not.
-COMPUTED_BUFFER = ".rotary_emb.cos_sin_cache"
-
-
-def assert_subsets(stages: list[dict], reference: dict) -> None:
-    """Each stage's parameters and buffers equal the one-rank default loader's of the same name,
-    and the stages together hold every one of them."""
-    seen: set[str] = set()
-    for rank, digests in enumerate(stages):
-        different = [name for name, digest in digests.items()
-                     if reference.get(name) != digest and not name.endswith(COMPUTED_BUFFER)]
-        assert not different, f"rank {rank}: {different}"
-        seen |= digests.keys()
-    # (One rank shares one rotary module among its layers, listed once: under the first layer it holds.)
-    missing = {name for name in reference.keys() ^ seen if not name.endswith(COMPUTED_BUFFER)}
-    assert not missing, sorted(missing)
 
 
 def test_pipeline_stages_on_two_nodes(checkpoints, scenarios, tmp_path):

@@ -72,22 +72,20 @@ def _route_logs_to_vllm() -> None:
 
 
 class _ToVllm(logging.Handler):
-    """On the "vllm_fastload" logger: each record of its tree to "vllm.fastload" (so vLLM's handlers
-    and format apply, and vLLM's loggers do not pass it on to the root's) once vLLM's logging has
-    handlers; before that to the root's handlers, where it would have propagated. A handler that
-    is on the tree as well as on the root (pytest's log capture attaches itself to every logger that
-    does not propagate) already has the record and is skipped."""
+    """On the "vllm_fastload" logger: each record of its tree to the handlers of vLLM's "vllm"
+    logger (so vLLM's format applies, and the record goes no further, as vLLM's own do not) once
+    vLLM's logging has handlers; before that to the root's handlers, where it would have
+    propagated. A handler that is on the tree as well (pytest's log capture attaches itself to
+    every logger that does not propagate) already has the record and is skipped."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        if logging.getLogger("vllm").handlers:
-            logging.getLogger("vllm.fastload").handle(record)
-            return
+        vllm_handlers = logging.getLogger("vllm").handlers
         root = logging.getLogger()
-        if not root.handlers:  # as an unconfigured program would: Python's last resort
+        if not vllm_handlers and not root.handlers:  # as an unconfigured program would: Python's last resort
             if logging.lastResort is not None and record.levelno >= logging.lastResort.level:
                 logging.lastResort.handle(record)
             return
         tree = logging.getLogger("vllm_fastload").handlers
-        for handler in root.handlers:
+        for handler in vllm_handlers or root.handlers:
             if handler not in tree and record.levelno >= handler.level:
                 handler.handle(record)
