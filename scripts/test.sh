@@ -20,9 +20,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OLDEST_VLLM=0.29.0
 SGLANG=0.5.23
-MAIN_SECOND=(tests/vllm/test_vllm_loader.py tests/vllm/test_multinode.py tests/vllm/test_hub_ids.py
-             tests/vllm/test_ray_executor.py tests/remote/test_vllm_s3.py tests/vllm/test_compat.py
-             tests/vllm/test_loader_config.py)
+MAIN_SECOND=(tests/vllm/test_vllm_loader.py tests/vllm/test_multinode.py tests/vllm/test_ray_executor.py
+             tests/remote/test_vllm_s3.py tests/vllm/test_compat.py tests/vllm/test_loader_config.py)
 source scripts/setup.sh
 scripts/setup-netsources.sh
 python -m ruff check vllm_fastload tgi_patch tests examples

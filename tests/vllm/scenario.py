@@ -25,8 +25,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # apply_model pickles a function
 
 PROMPTS = [[1, 5, 9, 13, 21], [2, 7, 3]]
-#: Plenty for these prompts; vLLM-CPU fills its KV cache at start-up, and 1 GiB of fresh memory
-#: took ~4 s of every start on our VM. (VLLM_CPU_KVCACHE_SPACE, if set, still wins.)
+#: Plenty for these prompts; vLLM-CPU fills its KV cache at start-up, and a larger one (its default:
+#: gigabytes of fresh memory) adds seconds to every start. (VLLM_CPU_KVCACHE_SPACE, if set, still wins.)
 KV_CACHE_BYTES = 64 << 20
 #: Ray's minimum; the scenario passes nothing big through the object store, and the machine is small.
 RAY_OBJECT_STORE_BYTES = 80 << 20

@@ -278,6 +278,14 @@ def _slow_disk(checkpoint: Path, work: Path) -> Iterator[tuple[Path, Path]]:
         subprocess.run(["losetup", "-d", loop], check=False)
 
 
+def _unthrottle(group: Path) -> None:
+    """Lift the read limits of the blkio group ``group`` (a limit of 0 is none)."""
+    limits = group / "blkio.throttle.read_bps_device"
+    for line in limits.read_text().split("\n"):
+        if line.strip():
+            limits.write_text(f"{line.split()[0]} 0")
+
+
 def _killed_start(model: Path, slow: Path, tmp_path: Path, short_tmp: Path, name: str, kill: str) -> str:
     """A TP=2 start of ``model`` (on the slow disk, evicted from the page cache first) by a server
     in the throttled group ``slow``, killed once both ranks have begun their loads: ``worker``
@@ -318,6 +326,9 @@ def _killed_start(model: Path, slow: Path, tmp_path: Path, short_tmp: Path, name
             except subprocess.TimeoutExpired:
                 escalated = True
                 os.killpg(proc.pid, signal.SIGKILL)
+                # A process dies of SIGKILL only once its read of the disk returns: the throttle
+                # goes, as a slow disk would answer in the end.
+                _unthrottle(slow)
                 code = proc.wait(timeout=30)
     finally:
         _end(proc, signal.SIGKILL)
