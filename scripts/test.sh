@@ -34,7 +34,7 @@ if [ $# -gt 0 ]; then
   exit 0
 fi
 
-logs="$(mktemp -d "${TMPDIR:-/tmp}/fastload-test.XXXXXX")"
+logs="$(mktemp -d "${TMPDIR:-/tmp}/fl-test.XXXXXX")"  # (no "fastload" in the paths tests log)
 jobs_started=()
 trap 'for p in "${jobs_started[@]}"; do kill -- "-$p" 2>/dev/null || true; done' EXIT
 # in_background NAME CMD...: CMD in a process group of its own, its output in $logs/NAME.log
