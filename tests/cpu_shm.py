@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from vllm_fastload.tools.processes import SHM_DIR, _mtime, _remove
@@ -17,15 +18,15 @@ def remove_stale_cpu_shm(min_age_s: float, *, shm_dir: Path = SHM_DIR) -> list[P
     cutoff = time.time() - min_age_s
     stale = [f for f in shm_dir.glob("*-cpushm_*") if _mtime(f) < cutoff]
     if stale:
-        used = _files_in_use()
+        used = files_in_use()
         stale = [f for f in stale if str(f) not in used]
     return _remove(stale)
 
 
-def _files_in_use() -> set[str]:
-    """Every file some process (that we may inspect) maps or holds open."""
+def files_in_use(pids: Iterable[int | str] | None = None) -> set[str]:
+    """Every file the processes ``pids`` (default: every process we may inspect) map or hold open."""
     used: set[str] = set()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    for pid in filter(str.isdigit, os.listdir("/proc")) if pids is None else pids:
         try:
             with open(f"/proc/{pid}/maps") as maps:
                 for line in maps:

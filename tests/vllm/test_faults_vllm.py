@@ -34,6 +34,7 @@ from pathlib import Path
 import pytest
 
 from tests import cgroups, faultfs
+from tests.cpu_shm import files_in_use
 from vllm_fastload.bench.machine import evict
 from vllm_fastload.tools.checkpoints import PRESETS, write_random_checkpoint
 from vllm_fastload.tools.processes import cpu_shm_idents, remove_logged_cpu_shm
@@ -114,19 +115,8 @@ def _session(sid: int) -> list[str]:
 def _held_shm(sid: int) -> set[str]:
     """The files in /dev/shm that the processes of session ``sid`` have open or mapped: the start's
     own (other programs on the machine may make and remove theirs meanwhile)."""
-    names = set()
-    for pid in _session_pids(sid):
-        with contextlib.suppress(OSError):
-            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
-                path = line.split(maxsplit=5)[5:]
-                if path and path[0].startswith("/dev/shm/"):
-                    names.add(path[0].removeprefix("/dev/shm/").removesuffix(" (deleted)"))
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                with contextlib.suppress(OSError):
-                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                    if target.startswith("/dev/shm/"):
-                        names.add(target.removeprefix("/dev/shm/").removesuffix(" (deleted)"))
-    return names
+    return {f.removeprefix("/dev/shm/").removesuffix(" (deleted)") for f in files_in_use(_session_pids(sid))
+            if f.startswith("/dev/shm/")}
 
 
 def _wait_watching(proc: subprocess.Popen, timeout: float, held: set[str]) -> int:
