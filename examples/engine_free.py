@@ -29,7 +29,7 @@ def main() -> None:
         print(f"read_into: {stats.bytes_read / 1e6:.1f} MB read")
 
         # 3. What rank 1 of 2 would need, and only that.
-        plan = ckpt.plan(rank_requests(ckpt.checkpoint, tp=2, rank=1))
+        plan = ckpt.plan(rank_requests(ckpt.tensors, tp=2, rank=1))
         print(plan.summary())
 
 

@@ -1,9 +1,10 @@
 """The bridge to the core: TGI names a tensor by (file, name); the core reads by name.
 
-TGI's routing is a plain dict that model code extends after construction (speculator
-heads), so files are parsed on first use with ``Checkpoint.file_for``. All reads land in
-host memory as owned tensors in the checkpoint's dtype; FastWeights then applies TGI's
-cast and device moves in TGI's order, so the results are the ones TGI computes.
+TGI's routing is a plain dict that model code extends after construction (speculator heads), so
+files are added on first use (``FastCheckpoint.add_file``). All reads land in host memory as owned
+tensors in the checkpoint's dtype; FastWeights then applies TGI's cast and device moves in TGI's
+order, so the results are the ones TGI computes. Each read is quiet (no layer events, no bar): one
+TGI call is one tiny plan, so readiness is counted per FastWeights instead (``LayerTracker``).
 """
 
 from __future__ import annotations
@@ -13,28 +14,22 @@ from collections.abc import Sequence
 
 import torch
 
-from vllm_fastload.api import FastCheckpoint
-from vllm_fastload.checkpoint import Checkpoint, read_safetensors_file
-from vllm_fastload.config import ConfigError, FastloadConfig
-from vllm_fastload.errors import IndexMismatchError, TensorNotFoundError
-from vllm_fastload.format import SafetensorsFile, TensorInfo
-from vllm_fastload.plan import TensorRequest, plan_tensor
-from vllm_fastload.tensors import torch_dtype, torch_shape
+import vllm_fastload
+from vllm_fastload import (
+    ConfigError,
+    FastCheckpoint,
+    FastloadConfig,
+    IndexMismatchError,
+    SafetensorsHeader,
+    TensorInfo,
+    TensorNotFoundError,
+    TensorRequest,
+)
 
 
 def file_key(filename: str | os.PathLike[str]) -> str:
     """One spelling per file, so a routing entry given as str or Path finds the same parsed file."""
     return os.path.abspath(os.fspath(filename))
-
-
-def _host_checkpoint(checkpoint: Checkpoint, config: FastloadConfig) -> FastCheckpoint:
-    """The core over the Checkpoint we assemble from TGI's routing.
-
-    The core's progress bar and layer callbacks are off: one TGI call is one tiny plan, so
-    readiness is tracked per FastWeights instead (see ``readiness``).
-    """
-    quiet = config.model_copy(update={"on_layer_ready": [], "progress": False, "log_layers": False})
-    return FastCheckpoint(checkpoint, "cpu", quiet, show_progress=False)
 
 
 class CheckpointFiles:
@@ -44,34 +39,46 @@ class CheckpointFiles:
         if config.backend not in ("auto", "host"):
             raise ConfigError(f"tgi_patch reads into host memory and lets TGI move tensors to the GPU; "
                               f"backend must be 'auto' or 'host', not {config.backend!r}")
-        self.checkpoint = Checkpoint([], source="TGI weights routing")
-        self._config = config.model_copy(update={"backend": "host"})
-        # Over the (still empty) routing checkpoint; reads need no file until one is routed to.
-        self._core = _host_checkpoint(self.checkpoint, self._config)
+        self._config = config
+        # Opened with the first file (a FastWeights may start with none and be routed to files later).
+        self._core: FastCheckpoint | None = None
+        self._closed = False
         self.bytes_read = 0
 
     @staticmethod
-    def parse(filename: str | os.PathLike[str]) -> SafetensorsFile:
-        """Parse one file without adding it (the caller checks for duplicate names first)."""
-        return read_safetensors_file(file_key(filename))
+    def parse(filename: str | os.PathLike[str]) -> SafetensorsHeader:
+        """One file's header, without adding the file (the caller checks for duplicate names first)."""
+        return vllm_fastload.read_header(file_key(filename))
 
-    def add(self, sf: SafetensorsFile) -> None:
-        self.checkpoint.add_file(sf)
+    def open(self, filenames: Sequence[str | os.PathLike[str]]) -> None:
+        """Open the files routed to at construction (read into host memory, ``backend`` auto: host)."""
+        if filenames:
+            self._core = FastCheckpoint([file_key(f) for f in filenames], "cpu", self._config, show_progress=False)
 
-    def file(self, filename: str | os.PathLike[str]) -> SafetensorsFile:
-        return self.checkpoint.file_for(file_key(filename))
+    @property
+    def tensors(self) -> list[TensorInfo]:
+        """The tensors of the files opened so far."""
+        return [] if self._core is None else list(self._core.tensors.values())
+
+    def file(self, filename: str | os.PathLike[str]) -> SafetensorsHeader:
+        if self._closed:
+            raise ValueError(f"the checkpoint of these weights is closed (reading {filename})")
+        if self._core is None:
+            self._core = FastCheckpoint([file_key(filename)], "cpu", self._config, show_progress=False)
+        return self._core.add_file(file_key(filename))
 
     def info(self, filename: str | os.PathLike[str], name: str) -> TensorInfo:
         """The tensor ``name`` in ``filename`` itself (not merely some file holding that name)."""
-        sf = self.file(filename)
-        info = sf.tensors.get(name)
+        header = self.file(filename)
+        info = header.tensors.get(name)
         if info is None:
             raise TensorNotFoundError(f"the weights routing maps this tensor to this file, but the file does not "
-                                      f"hold it ({len(sf.tensors)} tensors in the file)", file=sf.path, tensor=name)
-        if self.checkpoint.tensors.get(name) is not info:
-            other = self.checkpoint.tensors[name].file
-            raise IndexMismatchError(f"tensor is in two routed files: {other} and {sf.path}", file=sf.path,
-                                     tensor=name)
+                                      f"hold it ({len(header.tensors)} tensors in the file)", file=header.path,
+                                      tensor=name)
+        assert self._core is not None
+        if self._core.info(name) is not info:
+            raise IndexMismatchError(f"tensor is in two routed files: {self._core.info(name).file} and {header.path}",
+                                     file=header.path, tensor=name)
         return info
 
     def read(self, filename: str | os.PathLike[str], name: str, dim: int | None = None, start: int = 0,
@@ -80,8 +87,8 @@ class CheckpointFiles:
         into a tensor of the checkpoint's dtype."""
         info = self.info(filename, name)
         request = TensorRequest(info.name, dim, start, length)
-        shaped = plan_tensor(info, request, strided_min_skip=0)  # the result's shape (and the slice checked)
-        out = torch.empty(torch_shape(shaped), dtype=torch_dtype(shaped))
+        assert self._core is not None
+        out = self._core.empty(request)  # (the slice checked against the tensor)
         self._read({request: out})
         return out
 
@@ -93,10 +100,8 @@ class CheckpointFiles:
         from the read buffer (dim 1), so there is no ``torch.cat`` copy.
         """
         info = self.info(filename, name)
-        whole = plan_tensor(info, TensorRequest(info.name), strided_min_skip=0)
-        shape = list(torch_shape(whole))
-        shape[dim] = sum(stop - start for start, stop in ranges)
-        out = torch.empty(shape, dtype=torch_dtype(whole))
+        assert self._core is not None
+        out = self._core.empty(TensorRequest(info.name, dim, 0, sum(stop - start for start, stop in ranges)))
         targets: dict[TensorRequest, torch.Tensor] = {}
         pos = 0
         for i, (start, stop) in enumerate(ranges):
@@ -108,9 +113,11 @@ class CheckpointFiles:
         return out
 
     def _read(self, targets: dict[TensorRequest, torch.Tensor]) -> None:
-        """One plan read into ``targets``, its bytes counted; quietly (readiness is tracked per
-        FastWeights, see ``readiness``)."""
+        """One plan read into ``targets``, its bytes counted; quietly (see the module docstring)."""
+        assert self._core is not None
         self.bytes_read += self._core.read_into(targets, layer_events=False).bytes_read
 
     def close(self) -> None:
-        self._core.close()  # closes the checkpoint's files too; later reads say "is closed"
+        self._closed = True
+        if self._core is not None:
+            self._core.close()  # closes the checkpoint's files too; later reads say "is closed"

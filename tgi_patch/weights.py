@@ -7,6 +7,13 @@ columns a call returns are read, by the core's threaded reader, instead of throu
 
 Every call is local to the rank (no collectives): TGI's ranks make different calls (a bias
 loaded on rank 0 only), so anything collective per call would deadlock.
+
+Layer readiness is counted, not predicted (``vllm_fastload.LayerTracker``): TGI pulls tensors one
+call at a time, in an order only the model code knows. The groups are the core's layer groups over
+the tensors in the routing at construction; a tensor counts as served once any read of it returned
+(whole, sharded, packed, or an indexed ``_get_slice``; ``has_tensor`` and ``get_shape`` read
+nothing); a group is ready when every one of its tensors has been served. A group holding a tensor
+this rank never reads (an unused buffer, a rank-0-only bias on other ranks) never fires.
 """
 
 from __future__ import annotations
@@ -22,11 +29,9 @@ import torch
 
 from tgi_patch.files import CheckpointFiles
 from tgi_patch.log import emit
-from tgi_patch.readiness import LayerReadiness
 from tgi_patch.sharding import NO_CAST, NO_CAST_PARTIAL, blocks_to_block_sizes, ceil_block, floor_block, packed_ranges
 from tgi_patch.slices import FastHandle, FastSlice
-from vllm_fastload.config import FastloadConfig
-from vllm_fastload.format import SafetensorsFile
+from vllm_fastload import FastloadConfig, LayerTracker, LoadReport
 
 
 class FastWeights:
@@ -34,7 +39,8 @@ class FastWeights:
 
     ``process_group`` needs only ``size()`` and ``rank()``. ``config`` (keyword only) is a
     FastloadConfig or dict; by default ``FastloadConfig.from_env()``. Its ``on_layer_ready``
-    callbacks fire as described in ``tgi_patch.readiness``; the bar shows on rank 0 only.
+    callbacks fire as layer groups become ready (see the module docstring); the bar shows on rank 0
+    only. ``report`` says what it has read so far, as the other engines' loaders report a rank's load.
     """
 
     def __init__(self, filenames: Sequence[str | os.PathLike[str]], device: Any, dtype: Any, process_group: Any,
@@ -44,21 +50,12 @@ class FastWeights:
         self._files = CheckpointFiles(self.config)
         self._finalizer = weakref.finalize(self, self._files.close)
         routing: dict[str, Any] = {}
-        parsed: list[SafetensorsFile] = []
-        try:
-            for filename in filenames:
-                sf = self._files.parse(filename)
-                parsed.append(sf)
-                for k in sorted(sf.tensors):
-                    if k in routing:
-                        raise RuntimeError(f"Key {k} was found in multiple files: {filename} and {routing[k]}")
-                    routing[k] = filename
-            for sf in parsed:
-                self._files.add(sf)
-        except BaseException:
-            for sf in parsed:
-                sf.close()
-            raise
+        for filename in filenames:
+            for k in sorted(self._files.parse(filename).tensors):
+                if k in routing:
+                    raise RuntimeError(f"Key {k} was found in multiple files: {filename} and {routing[k]}")
+                routing[k] = filename
+        self._files.open(filenames)
         if aliases is None:
             aliases = {}
         self.aliases = aliases
@@ -71,8 +68,9 @@ class FastWeights:
         self._handles: dict[str, FastHandle] = {}
         self._rank = process_group.rank()
         self._start = time.perf_counter()
-        self._readiness = LayerReadiness(self._files.checkpoint.tensors, self.config,
-                                         show_bar=self.config.progress and self._rank == 0)
+        self._readiness = LayerTracker(self._files.tensors, callbacks=self.config.on_layer_ready,
+                                       show_bar=self.config.progress and self._rank == 0,
+                                       log_layers=self.config.log_layers, description="fastload-tgi")
 
     # -- lifetime (TGI drops its Weights after loading; the finalizer does the same) ------------
     def close(self) -> None:
@@ -84,6 +82,16 @@ class FastWeights:
     def bytes_read(self) -> int:
         """Bytes this object has read from disk so far (this rank's share only)."""
         return self._files.bytes_read
+
+    @property
+    def report(self) -> LoadReport:
+        """What this rank has read so far: the bytes of the calls TGI made (not a per-rank plan:
+        TGI's model code asks for each slice), against the routed files' tensors."""
+        total = sum(t.nbytes for t in self._files.tensors)
+        return LoadReport(rank=self._rank, world=self.process_group.size(), planned=False, bytes_read=self.bytes_read,
+                          bytes_total=total, backend="host", seconds=time.perf_counter() - self._start,
+                          summary=f"read as TGI's Weights calls asked; {self._readiness.progress.layers_done} of "
+                                  f"{self._readiness.progress.total_layers} layer groups ready")
 
     # -- names ---------------------------------------------------------------------------------
     def _get_handle(self, filename: str) -> FastHandle:
@@ -225,7 +233,7 @@ class FastWeights:
 
     # -- readiness -----------------------------------------------------------------------------
     def _served(self, name: str) -> None:
-        if self._readiness.served(name) and self._rank == 0:
+        if self._readiness.arrive(name) and self._rank == 0:
             elapsed = time.perf_counter() - self._start
             emit(f"fastload-tgi: rank 0 ready: {self._readiness.progress.total_layers} layer groups, "
                  f"{self.bytes_read / 1e9:.2f} GB read in {elapsed:.2f} s")

@@ -6,24 +6,27 @@ rank through ``read_into`` with its ``ReadHooks`` (docs/design.md, "Writing an e
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
+import types
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from vllm_fastload import policy
+from vllm_fastload import machine, policy
 from vllm_fastload.buffers import BufferPool
 from vllm_fastload.checkpoint import Checkpoint
-from vllm_fastload.config import FastloadConfig
+from vllm_fastload.config import ConfigFacts, FastloadConfig, resolve
 from vllm_fastload.errors import InvalidRequestError, StalledReadError
 from vllm_fastload.events import LoadProgress, resolve_callback
 from vllm_fastload.executor import Delivered, LoadStats, PlanExecutor
-from vllm_fastload.format import TensorInfo
-from vllm_fastload.plan import LayerGroup, Plan, PlannedTensor, TensorRequest, build_plan, plan_tensor
-from vllm_fastload.readers import Reader, make_reader, pagecache
-from vllm_fastload.sources import fstype
+from vllm_fastload.format import SafetensorsHeader, TensorInfo
+from vllm_fastload.plan import LayerGroup, Plan, PlannedTensor, TensorRequest, build_plan, plan_requests, plan_tensor
+from vllm_fastload.readers import Reader, make_reader, pagecache, reader_traits
+from vllm_fastload.readers.memory import Prefault
 from vllm_fastload.tensors import CASTABLE, cast, torch_dtype, torch_shape
 
 RequestLike = str | TensorRequest
@@ -61,8 +64,9 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
     the read did (complete once the stream is exhausted). Nothing is planned or read before the
     first pair is asked for."""
 
-    def __init__(self, ckpt: FastCheckpoint, names: Iterable[RequestLike] | None, dtype: torch.dtype | None) -> None:
-        self._ckpt, self._names, self._dtype = ckpt, names, dtype
+    def __init__(self, ckpt: FastCheckpoint, names: Iterable[RequestLike] | None, dtype: torch.dtype | None,
+                 config: FastloadConfig) -> None:
+        self._ckpt, self._names, self._dtype, self._config = ckpt, names, dtype, config
         self._executor: PlanExecutor | None = None
         self._delivered: Generator[Delivered, None, None] | None = None
 
@@ -72,7 +76,7 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
     def __next__(self) -> tuple[str, torch.Tensor]:
         if self._delivered is None:
             plan = self._ckpt.plan(self._names)
-            self._executor = self._ckpt._executor()
+            self._executor = self._ckpt._executor(self._config)
             self._delivered = self._ckpt._execute(self._executor, plan)
         delivered = next(self._delivered)
         return delivered.planned.key, cast(delivered.tensor, self._dtype)
@@ -91,6 +95,11 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
 class FastCheckpoint:
     """An open checkpoint: headers parsed and validated, files held open, nothing read yet.
 
+    What it is, known when it opens: ``files``, ``tensors`` (``keys``, ``info``), ``source``,
+    ``is_remote``, ``total_bytes``; the config it reads with (``config``: the caller's, with the
+    defaults ``resolve`` gives for this checkpoint), and its reader's traits (``backend``,
+    ``strided_min_skip``). No thread starts before the first read.
+
     Tensor lifetime, precisely:
     - ``get_tensor`` / ``get_slice`` return tensors the caller owns.
     - ``iter_tensors`` yields views into reused read buffers, or (host reader, local files,
@@ -106,24 +115,43 @@ class FastCheckpoint:
     - ``read_into`` fills tensors the caller already owns.
     """
 
-    def __init__(self, path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | Checkpoint,
+    def __init__(self, path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
                  device: str | torch.device = "cpu",
                  config: FastloadConfig | Mapping[str, Any] | None = None, *,
-                 show_progress: bool | None = None) -> None:
-        self.config = FastloadConfig.from_env() if config is None else FastloadConfig.build(config)
-        self.device = torch.device(device)
-        # A Checkpoint the caller assembled (e.g. TGI's routing, which grows after construction)
-        # is used as is; a path is discovered.
-        self.checkpoint = path if isinstance(path, Checkpoint) else Checkpoint.discover(
-            path, remote=self.config.remote, memory_budget=int(self.config.memory_budget))
-        if not self.checkpoint.is_remote and self.checkpoint.files:
-            # On a network filesystem some defaults differ (fields the caller set are kept).
-            self.config = fstype.tuned(self.config, next(iter(self.checkpoint.files.values())).path)
+                 show_progress: bool | None = None, facts: ConfigFacts | None = None) -> None:
+        given = FastloadConfig.from_env() if config is None else FastloadConfig.build(config)
+        self._checkpoint = Checkpoint.discover(path, remote=given.remote, memory_budget=int(given.memory_budget))
+        try:
+            # On a network filesystem some defaults differ (fields a user set are kept).
+            local = next((f.path for f in self._checkpoint.files.values() if f.is_local), None)
+            network = local is not None and machine.is_network(machine.filesystem_type(local))
+            self.config = resolve(given, dataclasses.replace(facts or ConfigFacts(), network=network))
+            self._traits = reader_traits(self.config, device, remote=self._checkpoint.is_remote)
+            for callback in self.config.on_layer_ready:
+                resolve_callback(callback)  # a typo in "module:function" fails here, not mid-load
+        except BaseException:
+            self._checkpoint.close()
+            raise
+        #: Where it was opened from: the directory, file or URI (the common directory of listed files).
+        self.source = self._checkpoint.source
+        #: Whether its files are objects in a store.
+        self.is_remote = self._checkpoint.is_remote
+        #: Tensor name -> ``TensorInfo``, read-only (it grows with ``add_file``).
+        self.tensors: Mapping[str, TensorInfo] = types.MappingProxyType(self._checkpoint.tensors)
+        #: The reader backend its reads use (``policy.backend``), and where they land.
+        self.backend: policy.Backend = self._traits.backend
+        self.device = self._traits.device
         self.show_progress = self.config.progress if show_progress is None else show_progress
-        for callback in self.config.on_layer_ready:
-            resolve_callback(callback)  # a typo in "module:function" fails here, not mid-load
+        #: The ``strided_min_skip`` plans use: configured, else by the source and backend
+        #: (``policy.strided_min_skip``).
+        self.strided_min_skip = policy.strided_min_skip(
+            configured=None if self.config.strided_min_skip is None else int(self.config.strided_min_skip),
+            remote=self._checkpoint.is_remote, coalesce_gap=int(self.config.remote.coalesce_gap),
+            backend=self._traits.backend)
         self._closed = False
         self._decisions = policy.DecisionLog()
+        self._decisions.note("strided_min_skip", self.strided_min_skip, configured=self.config.strided_min_skip,
+                             remote=self._checkpoint.is_remote)
         self._reader: Reader | None = None
         self._pool: BufferPool | None = None
 
@@ -136,24 +164,29 @@ class FastCheckpoint:
 
     def close(self) -> None:
         self._closed = True
-        if self._reader is not None:
-            self._reader.close()
-            self._reader = None
-        if self._pool is not None:
-            self._pool.clear()
-            self._pool = None
-        self.checkpoint.close()
+        self._give_up_reader()
+        self._checkpoint.close()
 
-    # -- metadata ---------------------------------------------------------------------------
+    # -- what it is -------------------------------------------------------------------------
+    @property
+    def files(self) -> tuple[str, ...]:
+        """Its files' paths (or objects' URIs)."""
+        return tuple(self._checkpoint.files)
+
+    @property
+    def total_bytes(self) -> int:
+        """The bytes of all its tensors."""
+        return self._checkpoint.total_bytes
+
     def keys(self) -> list[str]:
         """The checkpoint's tensor names, sorted."""
-        return sorted(self.checkpoint.tensors)
+        return sorted(self._checkpoint.tensors)
 
     def metadata(self) -> dict[str, str]:
         """The files' ``__metadata__`` entries, merged."""
         merged: dict[str, str] = {}
-        for sf in self.checkpoint.files.values():
-            merged.update(sf.metadata)
+        for sf in self._checkpoint.files.values():
+            merged.update(sf.header.metadata)
         return merged
 
     def info(self, name: str) -> TensorInfo:
@@ -162,43 +195,38 @@ class FastCheckpoint:
         Raises:
             TensorNotFoundError: no tensor of this name in the checkpoint.
         """
-        return self.checkpoint.info(name)
+        return self._checkpoint.info(name)
+
+    def add_file(self, path: str | os.PathLike[str]) -> SafetensorsHeader:
+        """Add a local file to the checkpoint (nothing if it is one of its files already), for a
+        caller whose set of files grows after opening (TGI adds speculator heads); its header.
+
+        Raises:
+            IndexMismatchError: a tensor of the file is in another of the checkpoint's files.
+            MissingFileError, HeaderError: the file cannot be read as a safetensors file.
+        """
+        return self._checkpoint.file_for(os.fspath(path)).header
 
     @property
     def reader(self) -> Reader:
-        """The reader backend (made on first use, see ``policy.backend``)."""
-        if self._closed:
-            raise ValueError(f"checkpoint {self.checkpoint.source} is closed")
-        if self._reader is None:
-            self._reader = make_reader(self.config, self.device, remote=self.checkpoint.is_remote)
-        return self._reader
+        """The reader backend (made on first use; its threads start with its first read)."""
+        return self._reader_for(self.config)
 
     def cached_share(self, names: Iterable[str] | None = None) -> float | None:
         """The share of the named tensors' bytes in the page cache, from a sample of
         ``policy.PAGE_SAMPLES`` pages per tensor (no names: of the checkpoint's bytes,
         ``policy.FILE_PAGE_SAMPLES`` per file); None where it cannot be told (objects, or
         ``mincore`` not answering truthfully)."""
-        if self.checkpoint.is_remote:
+        if self._checkpoint.is_remote:
             return None
         spans: list[_Sampled]
         if names is None:
             spans = [_Sampled(f.fd, 0, os.fstat(f.fd).st_size, policy.FILE_PAGE_SAMPLES)
-                     for f in self.checkpoint.files.values() if f.fd is not None]
+                     for f in self._checkpoint.files.values() if f.fd is not None]
         else:
-            infos = [self.checkpoint.info(name) for name in names]
-            spans = [_Sampled(self.checkpoint.files[i.file].fd, i.start, i.end, policy.PAGE_SAMPLES) for i in infos]
+            infos = [self._checkpoint.info(name) for name in names]
+            spans = [_Sampled(self._checkpoint.files[i.file].fd, i.start, i.end, policy.PAGE_SAMPLES) for i in infos]
         return _weighted_cached_share(spans)
-
-    @property
-    def strided_min_skip(self) -> int:
-        """The ``strided_min_skip`` plans use: configured, else by the source kind
-        (``policy.strided_min_skip``)."""
-        configured = None if self.config.strided_min_skip is None else int(self.config.strided_min_skip)
-        remote = self.checkpoint.is_remote
-        value = policy.strided_min_skip(configured=configured, remote=remote,
-                                        coalesce_gap=int(self.config.remote.coalesce_gap), backend=self.reader.name)
-        self._decisions.note("strided_min_skip", value, configured=configured, remote=remote)
-        return value
 
     def plan(self, requests: Iterable[RequestLike] | None = None, *,
              dests: Mapping[str, torch.Tensor] | None = None) -> Plan:
@@ -216,10 +244,24 @@ class FastCheckpoint:
             >>> print(ckpt.plan([TensorRequest("lm_head.weight", dim=0, start=0, length=16000)]).summary())
         """
         requests = self.keys() if requests is None else requests
-        return build_plan(self.checkpoint, requests, aggregate_size=int(self.config.aggregate_size),
-                          strided_min_skip=self.strided_min_skip, dests=dests)
+        planned = plan_requests(self._checkpoint, requests, self.strided_min_skip)
+        if dests:
+            planned = [dataclasses.replace(t, dest=dests[t.key]) if t.key in dests else t for t in planned]
+        return self._grouped(planned)
 
     # -- reading ----------------------------------------------------------------------------
+    def empty(self, request: RequestLike) -> torch.Tensor:
+        """An uninitialised tensor of the shape and dtype a read of ``request`` gives, on the
+        checkpoint's device: what ``read_into`` fills (the slice is checked against the tensor).
+
+        Raises:
+            TensorNotFoundError: no tensor of this name.
+            InvalidRequestError: the slice does not fit the tensor.
+        """
+        request = TensorRequest(request) if isinstance(request, str) else request
+        planned = plan_tensor(self._checkpoint.info(request.name), request, self.strided_min_skip)
+        return torch.empty(torch_shape(planned), dtype=torch_dtype(planned), device=self.device)
+
     def get_tensor(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The whole tensor, owned by the caller.
 
@@ -249,12 +291,16 @@ class FastCheckpoint:
         return self._read_owned(TensorRequest(name, dim, start, length), dtype)
 
     def iter_tensors(self, names: Iterable[RequestLike] | None = None, *,
-                     dtype: torch.dtype | None = None) -> TensorStream:
+                     dtype: torch.dtype | None = None, shared_by: int = 1) -> TensorStream:
         """``(key, tensor)`` in layer order through aggregated reads; fires ``on_layer_ready``.
 
         Args:
             names: tensor names or ``TensorRequest`` slices; None: every tensor.
             dtype: convert floating point tensors to this dtype.
+            shared_by: how many processes on this machine read these same tensors (an engine's
+                ranks reading every tensor whole): with several, ``direct_io`` 'auto' reads
+                through the page cache, so that one disk read serves them all
+                (``policy.whole_reads_direct_io``).
 
         Returns:
             An iterator of the request's key and a view valid for as long as the caller holds it
@@ -264,7 +310,20 @@ class FastCheckpoint:
             >>> for name, tensor in ckpt.iter_tensors():
             ...     model.state_dict()[name].copy_(tensor)
         """
-        return TensorStream(self, names, dtype)
+        config = self.config if shared_by <= 1 else resolve(self.config, ConfigFacts(whole_reads=shared_by))
+        self._decisions.note("direct_io for reading every tensor whole", config.direct_io,
+                             configured=self.config.direct_io, shared_by=shared_by)
+        return TensorStream(self, names, dtype, config)
+
+    def prefault(self, tensors: Iterable[torch.Tensor]) -> contextlib.AbstractContextManager[object]:
+        """Around the caller's own copies into ``tensors`` (an engine's ``load_weights`` copying
+        what ``iter_tensors`` yields into its parameters): their fresh pages are faulted in ahead
+        of the copies on a background thread, where the reader has more than one CPU
+        (``policy.prefault_whole_reads``); no byte changes."""
+        cpus = machine.cpu_count(self.config.cpus)
+        ahead = policy.prefault_whole_reads(cpus)
+        self._decisions.note("parameters faulted in ahead of load_weights", ahead, cpus=cpus)
+        return Prefault(tensors, cpus=self.config.cpus) if ahead else contextlib.nullcontext()
 
     def read_into(self, targets: Targets, *, extra: Iterable[RequestLike] = (), hooks: ReadHooks | None = None,
                   layer_events: bool = True) -> LoadStats:
@@ -299,56 +358,67 @@ class FastCheckpoint:
             33554432
         """
         hooks = _NO_HOOKS if hooks is None else hooks
-        requests: list[TensorRequest] = []
-        by_key: dict[str, torch.Tensor] = {}
-        direct: dict[str, torch.Tensor] = {}
-        for req, dest in targets.items():
-            req = TensorRequest(req) if isinstance(req, str) else req
-            planned = plan_tensor(self.checkpoint.info(req.name), req, self.strided_min_skip)
-            self._check_destination(planned, dest)
-            requests.append(req)
-            by_key[req.result_key] = dest
-            if self._can_read_directly(planned, dest):
-                direct[req.result_key] = dest
-        requests += [TensorRequest(r) if isinstance(r, str) else r for r in extra]
-        plan = self.plan(requests, dests=direct)
+        by_key = {_as_request(req).result_key: dest for req, dest in targets.items()}
+        requests = [_as_request(req) for req in targets] + [_as_request(r) for r in extra]
+        planned = plan_requests(self._checkpoint, requests, self.strided_min_skip)  # each request once
+        for i, t in enumerate(planned[:len(by_key)]):
+            dest = by_key[t.key]
+            self._check_destination(t, dest)
+            if self._can_read_directly(t, dest):
+                planned[i] = dataclasses.replace(t, dest=dest)
+        plan = self._grouped(planned)
         hooks.check(plan)
-        executor = self._executor()
+        executor = self._executor(self.config)
         for delivered in self._execute(executor, plan, layer_events=layer_events, on_layer_end=hooks.on_layer_end):
-            planned = delivered.planned
-            if planned.dest is not None:
+            t = delivered.planned
+            if t.dest is not None:
                 continue
-            target = by_key.get(planned.key)
+            target = by_key.get(t.key)
             if target is not None:
                 target.copy_(delivered.tensor)
             else:
-                hooks.on_tensor(planned.request, delivered.tensor)
+                hooks.on_tensor(t.request, delivered.tensor)
         return executor.stats
 
     # -- internals --------------------------------------------------------------------------
+    def _grouped(self, planned: Sequence[PlannedTensor]) -> Plan:
+        return build_plan(planned, aggregate_size=int(self.config.aggregate_size),
+                          checkpoint_bytes=self._checkpoint.total_bytes)
+
     def _read_owned(self, request: TensorRequest, dtype: torch.dtype | None) -> torch.Tensor:
-        planned = plan_tensor(self.checkpoint.info(request.name), request, self.strided_min_skip)
-        native = torch_dtype(planned)
-        out = torch.empty(torch_shape(planned), dtype=native, device=self.device)
+        (planned,) = plan_requests(self._checkpoint, [request], self.strided_min_skip)
+        out = torch.empty(torch_shape(planned), dtype=torch_dtype(planned), device=self.device)
         if planned.read_bytes:
             # Straight into ``out`` where the reader can; else (enclosing rows on a GPU reader)
             # through a read buffer, narrowed into ``out``. Either way quietly: no bar, no events.
             direct = self._can_read_directly(planned, out)
-            plan = build_plan(self.checkpoint, [request], aggregate_size=int(self.config.aggregate_size),
-                              strided_min_skip=self.strided_min_skip,
-                              dests={request.result_key: out} if direct else None)
-            for delivered in self._execute(self._executor(), plan, layer_events=False):
+            plan = self._grouped([dataclasses.replace(planned, dest=out) if direct else planned])
+            for delivered in self._execute(self._executor(self.config), plan, layer_events=False):
                 if not direct:
                     out.copy_(delivered.tensor)
         return cast(out, dtype)
 
-    def _give_up_reader(self) -> None:
-        """After a stalled read: the thread stuck in it may still write into a buffer (or a
-        destination) one day, so neither the reader nor its buffers are used again; a later read
-        gets new ones. The stuck thread is not waited for (see ``readers.threads``)."""
-        reader, self._reader, self._pool = self._reader, None, None
+    def _reader_for(self, config: FastloadConfig) -> Reader:
+        """The reader for ``config`` (this checkpoint's, or a stream's own, see ``iter_tensors``);
+        a reader made for another config is closed first."""
+        if self._closed:
+            raise ValueError(f"checkpoint {self._checkpoint.source} is closed")
+        if self._reader is not None and self._reader.config is not config:
+            self._give_up_reader()
+        if self._reader is None:
+            self._reader = make_reader(config, self._traits)
+        return self._reader
+
+    def _give_up_reader(self, *, stalled: bool = False) -> None:
+        """Close the reader and let go of its buffers (a later read gets new ones). After a
+        stalled read the pool is dropped, not cleared: the thread stuck in the read may still
+        write into a buffer (or a destination) one day, so nothing is used again. The stuck
+        thread is not waited for (see ``readers.threads``)."""
+        reader, self._reader, pool, self._pool = self._reader, None, self._pool, None
         if reader is not None:
             reader.close()
+        if pool is not None and not stalled:
+            pool.clear()
 
     def _check_destination(self, planned: PlannedTensor, dest: torch.Tensor) -> None:
         shape = torch_shape(planned)
@@ -363,18 +433,15 @@ class FastCheckpoint:
 
     def _can_read_directly(self, planned: PlannedTensor, dest: torch.Tensor) -> bool:
         """Bytes can land in ``dest`` as they are; enclosing rows only with a reader that skips the gaps."""
-        return ((planned.strategy != "enclosing" or self.reader.reads_rows) and dest.dtype == torch_dtype(planned)
-                and dest.is_contiguous() and dest.device == self.reader.device)
+        return ((planned.strategy != "enclosing" or self._traits.reads_rows) and dest.dtype == torch_dtype(planned)
+                and dest.is_contiguous() and dest.device == self._traits.device)
 
-    def _pool_for(self) -> BufferPool:
+    def _executor(self, config: FastloadConfig) -> PlanExecutor:
+        reader = self._reader_for(config)
         if self._pool is None:
-            reader = self.reader
-            budget = int(self.config.memory_budget) - reader.staging_bytes
-            self._pool = BufferPool(reader.allocate, budget, min_size=int(self.config.aggregate_size))
-        return self._pool
-
-    def _executor(self) -> PlanExecutor:
-        return PlanExecutor(self.checkpoint, self.reader, self._pool_for(), self.config)
+            budget = int(config.memory_budget) - reader.staging_bytes
+            self._pool = BufferPool(reader.allocate, budget, min_size=int(config.aggregate_size))
+        return PlanExecutor(self._checkpoint, reader, self._pool, config)
 
     def _execute(self, executor: PlanExecutor, plan: Plan, *, layer_events: bool = True,
                  on_layer_end: Callable[[LayerGroup], object] | None = None) -> Generator[Delivered, None, None]:
@@ -385,11 +452,15 @@ class FastCheckpoint:
         try:
             yield from executor.run(plan, progress, on_layer_end)
         except StalledReadError:
-            self._give_up_reader()
+            self._give_up_reader(stalled=True)
             raise
         finally:
             if progress is not None:
                 progress.close()
+
+
+def _as_request(request: RequestLike) -> TensorRequest:
+    return TensorRequest(request) if isinstance(request, str) else request
 
 
 @dataclass(frozen=True)
@@ -416,13 +487,13 @@ def _weighted_cached_share(spans: Iterable[_Sampled]) -> float | None:
     return found / weight if weight else None
 
 
-def open(path: str | os.PathLike[str], device: str | torch.device = "cpu",
+def open(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], device: str | torch.device = "cpu",
          config: FastloadConfig | Mapping[str, Any] | None = None) -> FastCheckpoint:
     """Open a checkpoint: headers parsed and validated, nothing read yet.
 
     Args:
-        path: a directory with an index, a directory of ``*.safetensors`` shards, one file, or the
-            same below an object store URI such as ``s3://bucket/prefix``.
+        path: a directory with an index, a directory of ``*.safetensors`` shards, one file, the
+            same below an object store URI such as ``s3://bucket/prefix``, or a list of local files.
         device: where tensors are read to (``"cpu"`` or a CUDA device).
         config: a ``FastloadConfig`` or a dict of its fields (used as given; ``FASTLOAD_*``
             variables apply only where it is None).

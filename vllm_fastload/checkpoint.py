@@ -1,5 +1,6 @@
 """A checkpoint: its files (local or in an object store), opened and parsed, and the routing
-table from tensor name to ``TensorInfo``."""
+table from tensor name to ``TensorInfo``; and the two reads of a checkpoint's metadata that need no
+open checkpoint (``read_header``, ``read_index``)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,16 @@ from vllm_fastload.errors import (
     MissingFileError,
     TensorNotFoundError,
 )
-from vllm_fastload.format import INDEX_NAME, SafetensorsFile, TensorInfo, header_length, parse_file, parse_weight_map
+from vllm_fastload.format import (
+    INDEX_NAME,
+    SafetensorsFile,
+    SafetensorsHeader,
+    TensorInfo,
+    header_length,
+    parse_file,
+    parse_weight_map,
+)
+from vllm_fastload.frozen import FrozenMap
 from vllm_fastload.sources.local import LocalSource
 from vllm_fastload.sources.uri import is_remote
 
@@ -32,6 +42,37 @@ def read_safetensors_file(path: str | os.PathLike[str]) -> SafetensorsFile:
     except BaseException:
         source.close()
         raise
+
+
+def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
+    """The header of one local safetensors file, validated (the file is closed again).
+
+    Raises:
+        MissingFileError: there is no such file.
+        HeaderError: its header is unreadable or invalid (``TensorMetadataError``: an entry).
+        TruncatedFileError: the file is shorter than its header says.
+    """
+    sf = read_safetensors_file(path)
+    sf.close()
+    return sf.header
+
+
+def read_index(directory: str | os.PathLike[str]) -> FrozenMap[str, str] | None:
+    """The weight map of the directory's ``model.safetensors.index.json`` (tensor -> file name, each
+    normalised inside the checkpoint: ``OutsideCheckpointError`` otherwise); None without one.
+
+    Raises:
+        HeaderError: the index is unreadable or has no weight map.
+        OutsideCheckpointError: an entry names a file outside the directory.
+    """
+    index = Path(directory) / INDEX_NAME
+    if not index.is_file():
+        return None
+    try:
+        text = index.read_bytes()
+    except OSError as exc:
+        raise HeaderError(f"cannot read index: {exc}", file=index) from exc
+    return FrozenMap(parse_weight_map(str(index), text))
 
 
 class Checkpoint:
@@ -125,7 +166,7 @@ class Checkpoint:
         ckpt._check_index(index.name, weight_map, lambda f: str(root / f))
         return ckpt
 
-    def _check_index(self, index: str, weight_map: dict[str, str], expected_of: Callable[[str], str]) -> None:
+    def _check_index(self, index: str, weight_map: Mapping[str, str], expected_of: Callable[[str], str]) -> None:
         """Every tensor the index names is in the file it names (``expected_of(file name)``);
         on failure the checkpoint is closed, so no descriptor outlives it."""
         try:
@@ -148,13 +189,13 @@ class Checkpoint:
         """Add a file (also after construction: TGI adds speculator files to its routing)."""
         if sf.path in self.files:
             return
-        for name in sf.tensors:
+        for name in sorted(sf.header.tensors):  # the first clash by name, as TGI's own check finds it
             other = self.tensors.get(name)
             if other is not None:
                 raise IndexMismatchError(
                     f"tensor is in two files: {other.file} and {sf.path}", file=sf.path, tensor=name)
         self.files[sf.path] = sf
-        self.tensors.update(sf.tensors)
+        self.tensors.update(sf.header.tensors)
         self.is_remote = self.is_remote or not sf.is_local
 
     def file_for(self, path: str) -> SafetensorsFile:

@@ -17,7 +17,7 @@ def _plan(args: argparse.Namespace) -> int:
     if args.strided_min_skip is not None:
         overrides["strided_min_skip"] = args.strided_min_skip
     with vllm_fastload.open(args.model, config=vllm_fastload.FastloadConfig.from_env(**overrides)) as ckpt:
-        plan = ckpt.plan(rank_requests(ckpt.checkpoint, args.tp, args.rank))
+        plan = ckpt.plan(rank_requests(ckpt.tensors, args.tp, args.rank))
         print(f"plan for {args.model}, tp={args.tp} rank={args.rank} "
               f"(name-based slicing; the vLLM loader uses the model's own specs)")
         print(plan.summary())

@@ -2,7 +2,9 @@
 
 A layer is "ready" only once the caller asked for the item after its last tensor, i.e. the
 caller has put every tensor of the layer where it belongs. That is the moment start-up work
-for that layer (warm-up, metrics) may begin.
+for that layer (warm-up, metrics) may begin. A plan knows its groups' order (``LoadProgress``,
+driven by the executor); where tensors are asked for one at a time in an order no plan predicts
+(TGI's ``Weights`` calls), ``LayerTracker`` counts them instead.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from vllm_fastload.config import ConfigError, LayerCallback
+from vllm_fastload.format import TensorInfo
+from vllm_fastload.layers import LayerKey, layer_key
 
 logger = logging.getLogger("vllm_fastload")
 
@@ -163,3 +167,50 @@ class LoadProgress:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+class LayerTracker:
+    """Layer readiness counted, not predicted, for a caller that reads tensors one at a time in
+    an order only it knows (TGI's ``Weights``).
+
+    The groups are the layer groups (embeddings, each layer, final) of ``tensors``. A tensor
+    counts once any read of it has been delivered (``arrive``); a group is ready when every one of
+    its tensors has, and its event fires then, once, in the order groups complete. A group holding
+    a tensor the caller never reads never fires: firing early would be wrong. ``LayerEvent.bytes``
+    is the checkpoint size of the group's tensors (ranks may read different slices of them), and
+    the bar counts the same bytes.
+    """
+
+    def __init__(self, tensors: Iterable[TensorInfo], *, callbacks: Sequence[str | LayerCallback] = (),
+                 show_bar: bool = False, log_layers: bool = False, description: str = "fastload") -> None:
+        infos = list(tensors)
+        self._pending: Countdown[LayerKey, str] = Countdown((layer_key(t.name), t.name) for t in infos)
+        self._size: dict[LayerKey, tuple[int, int]] = {}
+        for t in infos:
+            count, nbytes = self._size.get(layer_key(t.name), (0, 0))
+            self._size[layer_key(t.name)] = (count + 1, nbytes + t.nbytes)
+        self.progress = LoadProgress(total_bytes=sum(nbytes for _, nbytes in self._size.values()),
+                                     total_layers=len(self._size), callbacks=callbacks, show_bar=show_bar,
+                                     log_layers=log_layers, description=description)
+
+    @property
+    def done(self) -> bool:
+        """Whether every group is ready."""
+        return self.progress.layers_done == self.progress.total_layers
+
+    def arrive(self, name: str) -> bool:
+        """Count a delivered read of tensor ``name``; True when that made the last group ready (a
+        name in no group, added after the tracker was made, completes nothing)."""
+        done = self._pending.arrive(name)
+        if not done:
+            return False
+        key = done[0]
+        count, nbytes = self._size[key]
+        self.progress.layer_done(key.layer, key.name, count, nbytes)
+        if self.done:
+            self.progress.close()
+            return True
+        return False
+
+    def close(self) -> None:
+        self.progress.close()

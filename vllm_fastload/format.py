@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import posixpath
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +21,7 @@ from vllm_fastload.errors import (
     TensorMetadataError,
     TruncatedFileError,
 )
+from vllm_fastload.frozen import FrozenMap
 
 if TYPE_CHECKING:  # a file's bytes come from a source; parsing needs only its interface
     from vllm_fastload.sources.base import Source
@@ -67,22 +69,31 @@ class TensorInfo:
         return DTYPE_BITS[self.dtype]
 
 
-@dataclass
-class SafetensorsFile:
-    """One parsed file or object and the ``Source`` its bytes come from.
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    """One file's (or object's) parsed header: what it holds and where, nothing open."""
 
-    A local file's source holds its descriptor open, so later reads see the same inode.
-    """
-
-    source: Source
+    #: The path or URI (what ``TensorInfo.file`` and every message name).
+    path: str
+    #: Where the data section starts (8 + the header's length).
     data_offset: int
-    tensors: dict[str, TensorInfo]
-    metadata: dict[str, str]
+    tensors: Mapping[str, TensorInfo]
+    metadata: Mapping[str, str]
+
+
+class SafetensorsFile:
+    """One checkpoint file (or object) held open: its parsed ``header`` and the ``Source`` its
+    bytes come from. A local file's source holds its descriptor open, so later reads see the
+    same inode."""
+
+    def __init__(self, header: SafetensorsHeader, source: Source) -> None:
+        self.header = header
+        self.source = source
 
     @property
     def path(self) -> str:
         """The path or URI (what ``TensorInfo.file`` and every message name)."""
-        return self.source.uri
+        return self.header.path
 
     @property
     def fd(self) -> int | None:
@@ -249,14 +260,18 @@ def header_length(path: str, first8: bytes | memoryview, size: int) -> int:
 def parse_file(source: Source, header: bytes) -> SafetensorsFile:
     """A ``SafetensorsFile`` from a source and its header's JSON bytes (the ``header_length`` bytes after
     the first 8): local files and objects differ only in how those bytes were fetched."""
+    return SafetensorsFile(parse_header(source.uri, source.size, header), source)
+
+
+def parse_header(path: str, size: int, header: bytes) -> SafetensorsHeader:
+    """The header of a file of ``size`` bytes at ``path``, from its header's JSON bytes."""
     data_offset = 8 + len(header)
-    path = source.uri
-    entries, metadata = parse_header_bytes(path, header, source.size - data_offset)
+    entries, metadata = parse_header_bytes(path, header, size - data_offset)
     tensors = {
         name: TensorInfo(name, path, dtype, shape, data_offset + begin, data_offset + end)
         for name, (dtype, shape, begin, end) in entries.items()
     }
-    return SafetensorsFile(source, data_offset, tensors, metadata)
+    return SafetensorsHeader(path, data_offset, FrozenMap(tensors), FrozenMap(metadata))
 
 
 def parse_weight_map(path: str, text: bytes) -> dict[str, str]:

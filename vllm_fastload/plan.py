@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import operator
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, NamedTuple, overload
@@ -114,8 +114,8 @@ class Rows:
 class RowRanges(Sequence[ByteRange]):
     """A slice's segments as ``ByteRange``s, computed when asked for.
 
-    A plan holds one per sliced tensor, made twice per ``read_into``. Building thousands of tuples
-    per tensor up front would keep the loading thread from feeding the reader's threads.
+    A plan holds one per sliced tensor. Building thousands of tuples per tensor up front would keep
+    the loading thread from feeding the reader's threads.
     """
 
     __slots__ = ("_rows",)
@@ -172,7 +172,7 @@ class PlannedTensor:
     #: Shape of the result.
     shape: tuple[int, ...]
     strategy: Strategy
-    #: The bytes read, in result order.
+    #: The bytes read, in result order (a tuple; a slice's rows as ``RowRanges``, made as iterated).
     ranges: Sequence[ByteRange]
     needed_bytes: int
     layer: LayerKey
@@ -245,12 +245,12 @@ class Plan:
     checkpoint_bytes: int
 
     @property
-    def tensors(self) -> list[PlannedTensor]:
-        return [t for g in self.groups for t in g.tensors]
+    def tensors(self) -> tuple[PlannedTensor, ...]:
+        return tuple(t for g in self.groups for t in g.tensors)
 
     @property
-    def chunks(self) -> list[Chunk]:
-        return [c for g in self.groups for c in g.chunks]
+    def chunks(self) -> tuple[Chunk, ...]:
+        return tuple(c for g in self.groups for c in g.chunks)
 
     @property
     def read_bytes(self) -> int:
@@ -307,7 +307,7 @@ def plan_tensor(info: TensorInfo, request: TensorRequest, strided_min_skip: int)
     shape, bits, name = info.shape, info.bits, info.name
     layer = layer_key(name)
     if request.dim is None:
-        ranges = [ByteRange(info.start, info.nbytes)] if info.nbytes else []
+        ranges = (ByteRange(info.start, info.nbytes),) if info.nbytes else ()
         return PlannedTensor(request, info, shape, "whole", ranges, info.nbytes, layer)
     ndim = len(shape)
     dim = request.dim + ndim if request.dim < 0 else request.dim
@@ -335,7 +335,7 @@ def plan_tensor(info: TensorInfo, request: TensorRequest, strided_min_skip: int)
     needed = outer * seg
     if outer == 1 or seg == row or needed == 0:
         # One contiguous range: dim 0, a full-size slice, or everything before `dim` is 1.
-        ranges = [ByteRange(first, needed)] if needed else []
+        ranges = (ByteRange(first, needed),) if needed else ()
         return PlannedTensor(request, info, out_shape, "contiguous", ranges, needed, layer)
     if row - seg >= strided_min_skip:
         rows = Rows(first, seg, row, outer, lead=lead)
@@ -343,7 +343,7 @@ def plan_tensor(info: TensorInfo, request: TensorRequest, strided_min_skip: int)
     # Read from the first needed byte to the last and view it with the original strides.
     rows = Rows(first, seg, row, outer, gaps=True, lead=lead)
     strides = contiguous_strides(shape)
-    return PlannedTensor(request, info, out_shape, "enclosing", [ByteRange(first, rows.span)], needed, layer,
+    return PlannedTensor(request, info, out_shape, "enclosing", (ByteRange(first, rows.span),), needed, layer,
                          view_strides=strides, rows=rows)
 
 
@@ -453,11 +453,11 @@ def _place(chunk: _ChunkBuilder, t: PlannedTensor) -> None:
     chunk.nbytes = max(chunk.nbytes, pos)
 
 
-def build_plan(checkpoint: Checkpoint, requests: Iterable[TensorRequest | str], *,
-               aggregate_size: int, strided_min_skip: int,
-               dests: Mapping[str, torch.Tensor] | None = None) -> Plan:
-    """The per-rank plan: every request resolved, grouped by layer, coalesced into chunks."""
-    layers: dict[LayerKey, list[PlannedTensor]] = {}
+def plan_requests(checkpoint: Checkpoint, requests: Iterable[TensorRequest | str],
+                  strided_min_skip: int) -> list[PlannedTensor]:
+    """Each request resolved against the checkpoint's headers into what to read (validated: the
+    tensor exists, the slice fits it, every read lies inside its bytes, no result key twice)."""
+    planned: list[PlannedTensor] = []
     seen: set[str] = set()
     for req in requests:
         req = TensorRequest(req) if isinstance(req, str) else req
@@ -465,15 +465,21 @@ def build_plan(checkpoint: Checkpoint, requests: Iterable[TensorRequest | str], 
             raise InvalidRequestError("the same result key is requested twice; give each slice a distinct key",
                                       file=checkpoint.source, tensor=req.result_key)
         seen.add(req.result_key)
-        planned = plan_tensor(checkpoint.info(req.name), req, strided_min_skip)
-        _check_inside(planned)
-        dest = None if dests is None else dests.get(req.result_key)
-        if dest is not None:
-            planned = replace(planned, dest=dest)
-        layers.setdefault(planned.layer, []).append(planned)
+        t = plan_tensor(checkpoint.info(req.name), req, strided_min_skip)
+        _check_inside(t)
+        planned.append(t)
+    return planned
+
+
+def build_plan(planned: Iterable[PlannedTensor], *, aggregate_size: int, checkpoint_bytes: int) -> Plan:
+    """The per-rank plan: the planned tensors (``plan_requests``, their ``dest`` set where the bytes
+    land in the caller's tensor) grouped by layer and coalesced into chunks."""
+    layers: dict[LayerKey, list[PlannedTensor]] = {}
+    for t in planned:
+        layers.setdefault(t.layer, []).append(t)
     groups = []
     for key in sorted(layers):
         tensors = sorted(layers[key], key=lambda t: (t.dest is not None, t.info.file,
                                                      t.ranges[0][0] if t.ranges else t.info.start))
         groups.append(LayerGroup(key, tuple(tensors), _build_chunks(tensors, aggregate_size)))
-    return Plan(tuple(groups), checkpoint.total_bytes)
+    return Plan(tuple(groups), checkpoint_bytes)

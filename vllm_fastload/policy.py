@@ -113,6 +113,19 @@ EARLY_READS_STARVED_S = 1.0
 #: machine's, a cgroup's) is free under it: the page cache they pin is then better left to what
 #: the engine needs.
 EARLY_READS_LOW_MEMORY = 0.1
+#: Bytes early reads populate at a time: between two looks for a load that has begun (which stops
+#: them), so a load waits at most this long for the disk they share.
+EARLY_READS_CHUNK = 16 << 20
+#: Seconds between two looks of the reading process for the loads' marks (and for memory running
+#: low) while it holds the files: a load's end is noticed this late at most.
+EARLY_READS_POLL_S = 0.2
+#: The longest early reads hold the files mapped after reading them, where not every rank leaves
+#: its mark (a start that failed, ranks that do not inherit the environment, such as Ray's).
+EARLY_READS_HOLD_S = 600.0
+#: Row slices share pages at their boundaries; those pages are owned in blocks of this many bytes
+#: (``readers.row_pages``): large enough that advice stays a few long ranges, small enough that
+#: each rank owns blocks in proportion to its slice.
+SHARED_PAGE_BLOCK = 64 << 10
 
 
 # -- decisions -------------------------------------------------------------------------------
@@ -308,6 +321,15 @@ def advise_whole_span(*, span: int, needed: int) -> bool:
     return span <= ADVISE_SPAN_FACTOR * needed
 
 
+def bring_in_mapped(*, wholly_cached: bool) -> bool:
+    """Whether a mapped range's pages are brought in (``MADV_POPULATE_READ``, on the reader's
+    threads) before anything copies out of it: where pages must come from the disk, so that a
+    failing disk or a file cut short is an error naming the file and not ``SIGBUS`` in the copy. A
+    range wholly in the page cache (``HOLE_SAMPLES`` pages sampled) has no read that could fail or
+    stall, and mapping its pages ahead would only add to the copy."""
+    return not wholly_cached
+
+
 def sample_for_holes(*, span: int, page: int) -> bool:
     """Whether a chunk the cheap probe found cached is sampled for holes: only one larger than
     ``HOLE_SAMPLES`` pages (a smaller one is as good as probed already)."""
@@ -360,7 +382,7 @@ def backend(setting: BackendSetting, device: str, *, remote: bool, gds_live: Cal
     return "kvikio" if gds_live() else "cuda"
 
 
-# -- loading a model's rank (``model.rank``, ``model.early``) ----------------------------------
+# -- loading a model's rank (``model.rank``, ``early``) ------------------------------------------
 
 
 class RowSharing(str, enum.Enum):
@@ -422,7 +444,7 @@ class Filesystem:
 
     #: The type the kernel names it by (``/proc/self/mountinfo``): "ext4", "nfs4", "fuse.sshfs"...
     type: str
-    #: Reads on it cross a network (``sources.fstype.is_network``).
+    #: Reads on it cross a network (``machine.is_network``).
     network: bool
 
 
@@ -494,7 +516,7 @@ def early_reads(facts: EarlyFacts) -> EarlyReads:
 
 
 class Headroom(Protocol):
-    """A memory limit as ``early_reads_memory`` sees it (``sources.memory_limits.MemoryLimit``)."""
+    """A memory limit as ``early_reads_memory`` sees it (``machine.MemoryLimit``)."""
 
     @property
     def free(self) -> int:
@@ -546,7 +568,7 @@ class EarlyScope(str, enum.Enum):
 
 def early_scope(*, nodes: int, layout_known: bool) -> EarlyScope:
     """What a node reads early, where one model spans ``nodes`` nodes: with one, every file; with
-    several, the node's share (``model.node_share``) where the layout of its ranks is known, else
+    several, the node's share (``early.node_share``) where the layout of its ranks is known, else
     every file (more than its ranks read, never less)."""
     if nodes <= 1:
         return EarlyScope.EVERY_FILE

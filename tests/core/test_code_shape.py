@@ -141,3 +141,88 @@ def test_the_rule_on_adapters(tmp_path: Path) -> None:
     assert private_reaches([core / "model"], private) == ["model/rank.py:1 imports _CACHE",
                                                           "model/rank.py:4 reaches ._read_into",
                                                           "model/rank.py:5 reaches ._stats"]
+
+
+# -- one door: the adapters import the core through the package root and ``vllm_fastload.model`` only --
+
+#: The engine adapters, with the package each may also import from (its own).
+ENGINE_ADAPTERS = {PACKAGE / "vllm_plugin": "vllm_fastload.vllm_plugin",
+                   PACKAGE / "sglang_plugin": "vllm_fastload.sglang_plugin",
+                   PACKAGE.parent / "tgi_patch": "tgi_patch"}
+#: Below the adapters' shared layer: modules that must not import the root's names (the root imports
+#: lazily, so an upward import through it would pass the import contracts unseen).
+BELOW_MODEL = [p for p in PACKAGE.iterdir() if p.name not in ("model", "__init__.py", "__main__.py", "__pycache__")
+               and p.name not in ADAPTERS + TOOLING]
+
+
+def _imports(path: Path) -> list[tuple[int, str, list[str]]]:
+    """``(line, module, names)`` of each import in a file (``names`` empty for ``import x``), and
+    each attribute taken of the package root (``vllm_fastload.x``) as an import of ``x`` from it."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module, [a.name for a in node.names]))
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, a.name, []) for a in node.names]
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "vllm_fastload":
+            found.append((node.lineno, "vllm_fastload", [node.attr]))
+    return found
+
+
+def door_violations(root: Path, own: str, door: set[str], model: set[str]) -> list[str]:
+    """Where a module under ``root`` imports ``vllm_fastload`` other than through the door (the
+    root's public names, ``door``) and ``vllm_fastload.model``'s (``model``), or its own package ``own``."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for line, module, names in _imports(path):
+            where = f"{path.relative_to(root.parent)}:{line}"
+            if module == own or module.startswith(own + ".") or module.split(".")[0] != "vllm_fastload":
+                continue
+            if not names and module in ("vllm_fastload", "vllm_fastload.model"):
+                continue  # the door itself (``import vllm_fastload``), its names used as attributes
+            allowed = door if module == "vllm_fastload" else model if module == "vllm_fastload.model" else set()
+            found += [f"{where} imports {module}" + (f".{n}" if names else "") for n in (names or [""])
+                      if not names or n not in allowed]
+    return found
+
+
+def test_the_engine_adapters_import_the_core_only_through_its_door() -> None:
+    import vllm_fastload.model
+
+    door, model = set(vllm_fastload.__all__), set(vllm_fastload.model.__all__)
+    assert {"open", "FastCheckpoint", "ReadHooks", "FastloadConfig", "LoadReport", "LayerEvent"} <= door
+    assert {"load_rank", "loader_config", "start_early_reads", "loading"} <= model
+    found = [v for root, own in ENGINE_ADAPTERS.items() for v in door_violations(root, own, door, model)]
+    assert found == []
+
+
+def test_nothing_below_the_model_imports_the_door() -> None:
+    found = []
+    for place in BELOW_MODEL:
+        for path in [place] if place.is_file() else sorted(place.rglob("*.py")):
+            found += [f"{path.relative_to(PACKAGE)}:{line} imports {n} from the package root"
+                      for line, module, names in _imports(path) if module == "vllm_fastload"
+                      for n in names if n in vllm_fastload.__all__] + \
+                     [f"{path.relative_to(PACKAGE)}:{line} imports the package root"
+                      for line, module, names in _imports(path) if module == "vllm_fastload" and not names]
+    assert BELOW_MODEL and found == []
+
+
+def test_the_door_rule(tmp_path: Path) -> None:
+    """What the rule catches: a core module imported by path, a name the door does not export; what
+    it lets pass: the door's names, the model's, the adapter's own modules, other packages."""
+    adapter = tmp_path / "vllm_plugin"
+    adapter.mkdir()
+    (adapter / "loader.py").write_text("import torch\n"
+                                       "from vllm_fastload import FastCheckpoint, policy\n"
+                                       "from vllm_fastload.model import load_rank\n"
+                                       "from vllm_fastload.model.rank import _Load\n"
+                                       "from vllm_fastload.vllm_plugin import compat\n"
+                                       "import vllm_fastload.api\n"
+                                       "import vllm_fastload\n"
+                                       "vllm_fastload.open(vllm_fastload.checkpoint)\n")
+    found = door_violations(adapter, "vllm_fastload.vllm_plugin", {"FastCheckpoint", "open"}, {"load_rank"})
+    assert found == ["vllm_plugin/loader.py:2 imports vllm_fastload.policy",
+                     "vllm_plugin/loader.py:4 imports vllm_fastload.model.rank._Load",
+                     "vllm_plugin/loader.py:6 imports vllm_fastload.api",
+                     "vllm_plugin/loader.py:8 imports vllm_fastload.checkpoint"]

@@ -13,7 +13,7 @@ import torch
 from vllm_fastload import TensorRequest
 from vllm_fastload.bench.machine import evict
 from vllm_fastload.errors import ReadError
-from vllm_fastload.readers import direct, host
+from vllm_fastload.readers import direct, host, pagecache
 
 from ._util import assert_bitexact, open_ckpt, random_tensor, save
 
@@ -84,8 +84,8 @@ def test_direct_reads_leave_the_page_cache_alone(odd):
         dest = torch.empty_like(tensors["d"])
         ckpt.read_into({"d": dest})
         middle = ckpt.info("d").start + tensors["d"].nbytes // 2
-        fd = ckpt.checkpoint.files[str(path)].fd
-        assert not host._cached(fd, [middle]), "an O_DIRECT read should not have filled the page cache"
+        fd = ckpt._checkpoint.files[str(path)].fd
+        assert not pagecache.is_cached(fd, [middle]), "an O_DIRECT read should not have filled the page cache"
     assert_bitexact(dest, tensors["d"])
 
 
@@ -224,7 +224,7 @@ def test_cached_reads_with_fewer_copiers_than_threads(tmp_path: Path, monkeypatc
         # The same path when a read fails: the file cut short under a chunk the probe calls cached.
         os.truncate(path, ckpt.info("t5").start + 100)
         monkeypatch.setattr(host, "cached_calls", lambda fd, calls: True)
-        monkeypatch.setattr(host, "_has_holes", lambda fd, calls: False)
+        monkeypatch.setattr(host, "has_holes", lambda fd, calls: False)
         readers.clear()
         with pytest.raises(ReadError) as err:
             ckpt.read_into({"t5": torch.empty_like(tensors["t5"])})

@@ -1,4 +1,4 @@
-"""Early reads (``sources.early_reads``): a file evicted from the page cache is in it afterwards,
+"""Early reads (``vllm_fastload.early``): a file evicted from the page cache is in it afterwards,
 by either way in (mapping populated, or read through a buffer on kernels without
 ``MADV_POPULATE_READ``), it stays mapped in the reading process (its own, at idle priority) until
 every expected load (each in its own process) has left its mark, the hold runs out or the process
@@ -18,11 +18,12 @@ import pytest
 
 from vllm_fastload import policy
 from vllm_fastload.bench.machine import evict
+from vllm_fastload.early import child, process
+from vllm_fastload.early import marks as early_marks
 from vllm_fastload.plan import ByteRange
 from vllm_fastload.readers.pagecache import is_cached
-from vllm_fastload.sources import early_reads
 
-SIZE = (3 * early_reads.CHUNK) // 2 + 12345  # two chunks, the last one partial and not page-aligned
+SIZE = (3 * policy.EARLY_READS_CHUNK) // 2 + 12345  # two chunks, the last one partial and not page-aligned
 
 
 def _cached_share(path: Path, samples: int = 64) -> float:
@@ -46,7 +47,7 @@ def cold_file(tmp_path: Path) -> Path:
 
 
 def test_early_reads_bring_the_file_into_the_page_cache(cold_file: Path):
-    reads = early_reads.start_reading([str(cold_file)], limit=SIZE)
+    reads = process.start_reading([str(cold_file)], limit=SIZE)
     assert reads is not None and reads.daemon
     reads.join(timeout=60)
     assert not reads.is_alive() and reads.process.returncode == 0
@@ -54,21 +55,21 @@ def test_early_reads_bring_the_file_into_the_page_cache(cold_file: Path):
 
 
 def test_a_kernel_that_cannot_populate_mappings_reads_through_a_buffer(cold_file: Path, monkeypatch):
-    monkeypatch.setattr(early_reads._Mapping, "populate", lambda self, offset, length: False)
-    assert early_reads._read_in([str(cold_file)], hold=True) == ([], SIZE, 1, False)
+    monkeypatch.setattr(child._Mapping, "populate", lambda self, offset, length: False)
+    assert child._read_in([str(cold_file)], hold=True) == ([], SIZE, 1, False)
     assert _cached_share(cold_file) == 1.0
 
 
 def test_files_larger_than_the_limit_are_left_alone(cold_file: Path, caplog):
     with caplog.at_level(logging.INFO, logger="vllm_fastload"):
-        assert early_reads.start_reading([str(cold_file)], limit=SIZE - 1) is None
+        assert process.start_reading([str(cold_file)], limit=SIZE - 1) is None
     assert "no early reads" in caplog.text and "read at load time" in caplog.text
     assert _cached_share(cold_file) < 0.5
 
 
 def test_a_file_that_cannot_be_read_is_skipped(cold_file: Path, tmp_path: Path):
     """No exception (the loader reports a missing file at load time), and the next file is read."""
-    held, read, files, stopped = early_reads._read_in([str(tmp_path / "gone.safetensors"), str(cold_file)])
+    held, read, files, stopped = child._read_in([str(tmp_path / "gone.safetensors"), str(cold_file)])
     assert (held, read, files, stopped) == ([], SIZE, 1, False)
     assert _cached_share(cold_file) == 1.0
 
@@ -84,13 +85,13 @@ def _drop(path: Path, offset: int, length: int) -> None:
 def test_a_chunk_with_reclaimed_pages_is_told_from_a_cached_one(cold_file: Path):
     from vllm_fastload.readers import host
 
-    early_reads._read_in([str(cold_file)])
+    child._read_in([str(cold_file)])
     fd = os.open(cold_file, os.O_RDONLY)
     try:
         calls = [ByteRange(0, SIZE)]
-        assert host.cached_calls(fd, calls) and not host._has_holes(fd, calls)
+        assert host.cached_calls(fd, calls) and not host.has_holes(fd, calls)
         _drop(cold_file, SIZE // 4, SIZE // 8)  # a hole in the middle, ends still cached
-        assert host.cached_calls(fd, calls) and host._has_holes(fd, calls)
+        assert host.cached_calls(fd, calls) and host.has_holes(fd, calls)
     finally:
         os.close(fd)
 
@@ -108,12 +109,12 @@ def test_a_tensor_with_reclaimed_pages_is_read_exactly(tmp_path: Path, monkeypat
     save_file({"w": torch.randn(1536, 1024), "b": torch.randn(1024)}, str(path))
     os.sync()
     evict([str(path)])
-    early_reads._read_in([str(path)])
+    child._read_in([str(path)])
     size = path.stat().st_size
     _drop(path, size // 8, size // 16)
     holes = []
-    original = host._has_holes
-    monkeypatch.setattr(host, "_has_holes", lambda fd, calls: holes.append(original(fd, calls)) or holes[-1])
+    original = host.has_holes
+    monkeypatch.setattr(host, "has_holes", lambda fd, calls: holes.append(original(fd, calls)) or holes[-1])
     want = load_file(str(path))
     _drop(path, size // 8, size // 16)  # safetensors' read filled it again
     dests = {name: torch.empty_like(t) for name, t in want.items()}
@@ -133,7 +134,7 @@ def _mapped(path: Path, pid: int | str = "self") -> bool:
 
 
 def _mark_from_another_process(directory: str) -> None:
-    code = f"from vllm_fastload.sources.early_reads import mark_load; mark_load({directory!r}, ended=True)"
+    code = f"from vllm_fastload.early.marks import mark_load; mark_load({directory!r}, ended=True)"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
@@ -149,14 +150,14 @@ def _wait(condition, timeout: float = 30.0) -> bool:
 def test_the_files_stay_mapped_until_every_load_has_left_its_mark(cold_file: Path, caplog):
     """Mapped page cache is what a host's proactive reclaim (DAMON ``pageout`` of unmapped page
     cache) leaves alone: the reading process holds the mapping while the loads are still to come."""
-    marks = early_reads.LoadMarks(2)
+    marks = early_marks.LoadMarks(2)
     with caplog.at_level(logging.INFO, logger="vllm_fastload"):
-        reads = early_reads.start_reading([str(cold_file)], limit=SIZE, hold=marks, hold_s=120)
+        reads = process.start_reading([str(cold_file)], limit=SIZE, hold=marks, hold_s=120)
         assert reads is not None
         assert _wait(lambda: "files in the page cache" in caplog.text)
         assert _cached_share(cold_file) == 1.0
         _mark_from_another_process(marks.directory)
-        time.sleep(4 * early_reads.POLL_S)
+        time.sleep(4 * policy.EARLY_READS_POLL_S)
         assert reads.is_alive() and _mapped(cold_file, reads.pid), "released after one of two loads"
         _mark_from_another_process(marks.directory)
         reads.join(timeout=30)
@@ -170,9 +171,9 @@ def test_the_hold_ends_without_marks_at_its_deadline_or_when_memory_runs_low(col
                                                                             cause: str):
     if cause == "memory":
         monkeypatch.setattr(policy, "EARLY_READS_LOW_MEMORY", 1.0)  # whatever is available counts as low
-    marks = early_reads.LoadMarks(1)
+    marks = early_marks.LoadMarks(1)
     with caplog.at_level(logging.INFO, logger="vllm_fastload"):
-        reads = early_reads.start_reading([str(cold_file)], limit=SIZE, hold=marks,
+        reads = process.start_reading([str(cold_file)], limit=SIZE, hold=marks,
                                      hold_s=0.5 if cause == "deadline" else 120)
         assert reads is not None
         reads.join(timeout=60)
@@ -180,22 +181,22 @@ def test_the_hold_ends_without_marks_at_its_deadline_or_when_memory_runs_low(col
     assert not os.path.exists(marks.directory)
     why = "not every load it was read for ended within 0 s" if cause == "deadline" else "memory ran low"
     assert f"0 of 1 loads done ({why})" in caplog.text
-    early_reads.mark_load(marks.directory, ended=True)  # a load ending after the release: no error
+    early_marks.mark_load(marks.directory, ended=True)  # a load ending after the release: no error
 
 
 def test_the_reads_run_in_a_process_of_their_own_on_idle_cpu_time(cold_file: Path, caplog):
     """No thread of the process that starts vLLM runs at idle priority (one starved while holding
     that process's GIL would stop every other thread with it, and the start with them), and none of
     it maps the files (vLLM forks its engine core on GPUs: a child would inherit the mappings)."""
-    marks = early_reads.LoadMarks(1)
+    marks = early_marks.LoadMarks(1)
     with caplog.at_level(logging.INFO, logger="vllm_fastload"):
-        reads = early_reads.start_reading([str(cold_file)], limit=SIZE, hold=marks, hold_s=120)
+        reads = process.start_reading([str(cold_file)], limit=SIZE, hold=marks, hold_s=120)
         assert reads is not None
         assert _wait(lambda: "files in the page cache" in caplog.text)
         assert reads.pid != os.getpid() and _mapped(cold_file, reads.pid) and not _mapped(cold_file)
         assert _policy(reads.pid) == os.SCHED_IDLE or _cached_share(cold_file) == 1.0  # idle while it reads
         assert all(_policy(int(tid)) != os.SCHED_IDLE for tid in os.listdir("/proc/self/task"))
-        early_reads.mark_load(marks.directory, ended=True)
+        early_marks.mark_load(marks.directory, ended=True)
         reads.join(timeout=30)
     assert not reads.is_alive() and reads.process.returncode == 0
 
@@ -207,13 +208,13 @@ def test_reads_with_no_idle_cpu_time_read_on_as_a_batch_job(cold_file: Path, cap
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in os.sched_getaffinity(0)]
     try:
         with caplog.at_level(logging.INFO, logger="vllm_fastload"):
-            reads = early_reads.start_reading([str(cold_file)], limit=SIZE, starved_s=0.1)
+            reads = process.start_reading([str(cold_file)], limit=SIZE, starved_s=0.1)
             assert reads is not None
             reads.join(timeout=120)
     finally:
-        for process in busy:
-            process.kill()
-            process.wait()
+        for hog in busy:
+            hog.kill()
+            hog.wait()
     assert not reads.is_alive() and reads.process.returncode == 0
     assert "no idle CPU time for them" in caplog.text and "reading on as a batch job" in caplog.text
     assert "1 of 1 files in the page cache" in caplog.text
@@ -228,9 +229,9 @@ def _policy(tid: int) -> int | None:
 
 
 def test_a_reading_process_that_dies_is_reported_and_its_marks_removed(cold_file: Path, caplog):
-    marks = early_reads.LoadMarks(1)
+    marks = early_marks.LoadMarks(1)
     with caplog.at_level(logging.INFO, logger="vllm_fastload"):
-        reads = early_reads.start_reading([str(cold_file)], limit=SIZE, hold=marks, hold_s=120)
+        reads = process.start_reading([str(cold_file)], limit=SIZE, hold=marks, hold_s=120)
         assert reads is not None
         assert _wait(lambda: "files in the page cache" in caplog.text)
         reads.process.kill()
@@ -242,9 +243,9 @@ def test_a_reading_process_that_dies_is_reported_and_its_marks_removed(cold_file
 
 _ORPHAN = """
 import sys
-from vllm_fastload.sources import early_reads
-marks = early_reads.LoadMarks(1)
-reads = early_reads.start_reading([sys.argv[1]], limit=1 << 40, hold=marks, hold_s=600)
+from vllm_fastload.early import marks as early_marks, process
+marks = early_marks.LoadMarks(1)
+reads = process.start_reading([sys.argv[1]], limit=1 << 40, hold=marks, hold_s=600)
 print(reads.pid, marks.directory, flush=True)
 sys.stdin.readline()  # ended by the test, marks never left
 """
@@ -269,13 +270,13 @@ def test_the_reading_process_ends_with_the_process_that_started_it(cold_file: Pa
     try:
         pid, directory = starter.stdout.readline().split()
         assert _wait(lambda: _cached_share(cold_file) == 1.0)
-        time.sleep(2 * early_reads.POLL_S)  # holding now
+        time.sleep(2 * policy.EARLY_READS_POLL_S)  # holding now
         assert _mapped(cold_file, pid)
     finally:
         starter.kill()
         starter.wait(timeout=30)
     assert _wait(lambda: not _running(int(pid)), timeout=10), "the reading process outlived its starter"
-    assert directory in early_reads.LoadMarks.remove_stale()
+    assert directory in early_marks.LoadMarks.remove_stale()
     assert not os.path.exists(directory)
 
 
@@ -291,9 +292,9 @@ def test_the_reading_process_ends_when_the_starting_process_exits(cold_file: Pat
 
 
 def test_nothing_is_held_when_the_files_do_not_fit(cold_file: Path):
-    marks = early_reads.LoadMarks(1)
+    marks = early_marks.LoadMarks(1)
     threads = set(threading.enumerate())
-    assert early_reads.start_reading([str(cold_file)], limit=SIZE - 1, hold=marks, hold_s=60) is None
+    assert process.start_reading([str(cold_file)], limit=SIZE - 1, hold=marks, hold_s=60) is None
     assert set(threading.enumerate()) <= threads
     marks.remove()
 
@@ -304,24 +305,24 @@ def test_reads_stop_when_a_load_begins(tmp_path: Path, caplog):
     files = []
     for i in range(3):
         path = tmp_path / f"shard{i}.safetensors"
-        path.write_bytes(os.urandom(early_reads.CHUNK + 4096))
+        path.write_bytes(os.urandom(policy.EARLY_READS_CHUNK + 4096))
         files.append(str(path))
     os.sync()
     evict(files)
     if any(_cached_share(Path(f)) > 0.5 for f in files):
         pytest.skip("this filesystem keeps the files cached after POSIX_FADV_DONTNEED (tmpfs?)")
-    marks = early_reads.LoadMarks(1)
+    marks = early_marks.LoadMarks(1)
     asked = []
 
     def stop() -> bool:  # the load begins once the first chunk of the first file is read
         asked.append(True)
         if len(asked) == 2:
-            early_reads.mark_load(marks.directory, ended=False)
+            early_marks.mark_load(marks.directory, ended=False)
         return marks.started()
 
-    held, read, done, stopped = early_reads._read_in(files, hold=True, stop=stop)
+    held, read, done, stopped = child._read_in(files, hold=True, stop=stop)
     try:
-        assert stopped and read == early_reads.CHUNK and done == 0
+        assert stopped and read == policy.EARLY_READS_CHUNK and done == 0
         assert len(held) == 1
         assert _cached_share(Path(files[0])) >= 0.9
         assert all(_cached_share(Path(f)) < 0.5 for f in files[1:])
@@ -351,7 +352,7 @@ def test_the_checkpoint_share_in_the_page_cache_is_what_the_rank_line_reports(tm
         if ckpt.cached_share() is None:
             pytest.skip("mincore cannot be asked truthfully here")
         assert ckpt.cached_share() < 0.1
-        early_reads._read_in([str(paths[0])])
+        child._read_in([str(paths[0])])
         assert ckpt.cached_share() == pytest.approx(0.5, abs=0.05)
-        early_reads._read_in([str(paths[1])])
+        child._read_in([str(paths[1])])
         assert ckpt.cached_share() == 1.0

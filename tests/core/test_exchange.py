@@ -19,9 +19,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import vllm_fastload
-from vllm_fastload import exchange
 from vllm_fastload.errors import CheckpointError
 from vllm_fastload.format import TensorInfo
+from vllm_fastload.model import exchange
 from vllm_fastload.plan import TensorRequest
 
 from ._util import random_tensor

@@ -94,8 +94,8 @@ def test_a_new_copy_renamed_over_a_local_file_mid_load_is_refused(checkpoint: Pa
 
 _STARTER = """
 import sys
-from vllm_fastload.sources import early_reads
-reads = early_reads.start_reading([sys.argv[1]], limit=1 << 40, hold=early_reads.LoadMarks(1), hold_s=600)
+from vllm_fastload.early import marks, process
+reads = process.start_reading([sys.argv[1]], limit=1 << 40, hold=marks.LoadMarks(1), hold_s=600)
 print(reads.pid, flush=True)
 sys.stdin.readline()  # killed by the test meanwhile
 """

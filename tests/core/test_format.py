@@ -104,14 +104,14 @@ def test_dtype_strings_match_safetensors_header(tmp_path: Path):
     header = json.loads(path.read_bytes()[8:8 + n])
     sf = read_safetensors_file(path)
     try:
-        assert sf.data_offset == 8 + n
+        assert sf.header.data_offset == 8 + n
         for name, e in header.items():
             if name == "__metadata__":
                 continue
-            info = sf.tensors[name]
+            info = sf.header.tensors[name]
             assert info.dtype == e["dtype"]
             assert list(info.shape) == e["shape"]
-            assert (info.start - sf.data_offset, info.end - sf.data_offset) == tuple(e["data_offsets"])
+            assert (info.start - sf.header.data_offset, info.end - sf.header.data_offset) == tuple(e["data_offsets"])
     finally:
         sf.close()
 
@@ -307,7 +307,7 @@ def test_directory_discovery(tmp_path: Path, index: bool):
     tensors = two_shards(tmp_path / "ck", index=index)
     with open_ckpt(tmp_path / "ck") as ckpt:
         assert ckpt.keys() == sorted(tensors)
-        assert len(ckpt.checkpoint.files) == 2
+        assert len(ckpt.files) == 2
         for name, want in tensors.items():
             assert_bitexact(ckpt.get_tensor(name), want, name)
 
@@ -332,7 +332,7 @@ def test_write_checkpoint_with_and_without_index(tmp_path: Path):
     weight_map = json.loads((with_index / "model.safetensors.index.json").read_text())["weight_map"]
     with open_ckpt(with_index) as a, open_ckpt(without) as b:
         assert a.keys() == b.keys() == sorted(weight_map)
-        assert len(a.checkpoint.files) == 3
+        assert len(a.files) == 3
         for name, file in weight_map.items():
             assert Path(a.info(name).file).name == file
         name = "model.layers.1.mlp.down_proj.weight"
@@ -538,12 +538,12 @@ def test_adding_a_file_after_open(tmp_path: Path):
     extra = save(tmp_path / "medusa.safetensors", {"medusa.0.weight": torch.arange(4.0)})
     clash = save(tmp_path / "clash.safetensors", {"lm_head.weight": torch.zeros(3, 2)})
     with open_ckpt(root) as ckpt:
-        sf = ckpt.checkpoint.file_for(extra)
-        assert ckpt.checkpoint.file_for(str(extra)) is sf
+        sf = ckpt.add_file(extra)
+        assert ckpt.add_file(str(extra)) is sf
         assert_bitexact(ckpt.get_tensor("medusa.0.weight"), torch.arange(4.0))
         before = open_fds()
         with pytest.raises(IndexMismatchError) as info:
-            ckpt.checkpoint.file_for(clash)
+            ckpt.add_file(clash)
         check_error(info.value, IndexMismatchError, clash, "lm_head.weight")
         assert open_fds() == before
         assert_bitexact(ckpt.get_tensor("lm_head.weight"), tensors["lm_head.weight"])

@@ -72,7 +72,7 @@ def test_tensors_are_read_where_the_file_is_not_mapped(ckpt, monkeypatch, why):
     path, tensors = ckpt
     config = {}
     if why == "not cached":
-        monkeypatch.setattr(host, "_cached", lambda fd, offsets: False)
+        monkeypatch.setattr(pagecache, "is_cached", lambda fd, offsets: False)
         monkeypatch.setattr(host.pagecache, "cached_share", lambda fd, start, end: 0.0)
     elif why == "network filesystem":
         monkeypatch.setattr(mapped, "_local", lambda path: False)
@@ -110,7 +110,7 @@ def test_with_buffered_reads_uncached_tensors_are_views_too_after_advice(ckpt, m
     """``direct_io`` "never" (the vLLM loader's choice where every rank reads every tensor, so that
     the ranks share one disk read through the page cache): no read calls, the chunk is advised."""
     path, tensors = ckpt
-    monkeypatch.setattr(host, "_cached", lambda fd, offsets: False)
+    monkeypatch.setattr(pagecache, "is_cached", lambda fd, offsets: False)
     advised: list = []
     real = host.advise
     monkeypatch.setattr(host, "advise", lambda fd, calls: advised.append(len(calls)) or real(fd, calls))
@@ -126,7 +126,7 @@ def test_with_buffered_reads_uncached_tensors_are_views_too_after_advice(ckpt, m
 def test_a_mostly_cached_chunk_is_mapped_and_its_missing_pages_advised(ckpt, monkeypatch, share):
     """Pages reclaimed here and there: O_DIRECT would fetch the whole chunk from disk again."""
     path, tensors = ckpt
-    monkeypatch.setattr(host, "_cached", lambda fd, offsets: False)
+    monkeypatch.setattr(pagecache, "is_cached", lambda fd, offsets: False)
     monkeypatch.setattr(host.pagecache, "cached_share", lambda fd, start, end, **_: share)
     advised: list = []
     real = host.advise

@@ -1,4 +1,4 @@
-"""Memory limits wherever they are set (``sources.memory_limits``), and the early reads' decision
+"""Memory limits wherever they are set (``machine.memory_limits``), and the early reads' decision
 from the lowest of them (``policy.early_reads_memory``).
 
 Real cgroups where this machine can make them: v1 memory groups below the test's own group
@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
+import vllm_fastload
 from tests import cgroups
 from vllm_fastload import policy
-from vllm_fastload.sources import memory_limits as memory_limits_module
-from vllm_fastload.sources.memory_limits import MemoryLimit, memory_limits
+from vllm_fastload.machine import MemoryLimit, memory_limits
 from vllm_fastload.tools.checkpoints import PRESETS, write_random_checkpoint
 
 GiB = 1 << 30
@@ -119,14 +119,13 @@ def test_the_lowest_headroom_decides_and_half_of_it_may_be_filled():
     assert policy.early_reads_memory(2 * GiB, [machine]).limit is machine
 
 
-#: Run by a bare interpreter (``-I -S``), as the early-reads script loads the module: by its path.
+#: Run by a bare interpreter (``-I -S``), as the early-reads process imports the module: through
+#: the package's empty root, with only the package's parent directory on the path.
 _PRINT_LIMITS = f"""
-import importlib.util, json, sys
-spec = importlib.util.spec_from_file_location("memory_limits", {memory_limits_module.__file__!r})
-module = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = module
-spec.loader.exec_module(module)
-print(json.dumps([[m.kind, m.where, m.limit, m.free, m.describe()] for m in module.memory_limits()]))
+import json, sys
+sys.path.insert(0, {str(Path(vllm_fastload.__file__).parent.parent)!r})
+from vllm_fastload import machine
+print(json.dumps([[m.kind, m.where, m.limit, m.free, m.describe()] for m in machine.memory_limits()]))
 """
 
 
@@ -192,15 +191,15 @@ def test_a_real_v2_group_limit_is_seen_from_inside_it():
 _EARLY = """
 import logging, sys
 logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
-from vllm_fastload.model import early
+from vllm_fastload.model import EarlyStart, start_early_reads
 for path in sys.argv[1:]:
-    early.start("the engine", lambda: early.Start(path, {}, local_ranks=1))
+    start_early_reads("the engine", lambda: EarlyStart(path, {}, local_ranks=1))
 """
 
 
 @pytest.mark.skipif(cgroups.v1_reason() is not None, reason=str(cgroups.v1_reason()))
 def test_early_reads_in_a_real_v1_group_go_by_its_limit(tmp_path: Path):
-    """The decision the engines' adapters make as they start (``model.early.start``), in a
+    """The decision the engines' adapters make as they start (``early.decide.start``), in a
     process of a group limited to 1 GiB: a 1.67 GB checkpoint exceeds half of what is free under
     it, and the log line names the limit; a 0.06 GB one fits, and its line names the limit too."""
     big = write_random_checkpoint(tmp_path / "big", PRESETS["bench-llama"], files=2, sparse=True)

@@ -1,5 +1,5 @@
-"""A node's share of a checkpoint (``model.node_share``), and early reads of that share only
-(``model.early`` with a layout, ``sources.early_reads`` with byte ranges), on checkpoints written
+"""A node's share of a checkpoint (``early.node_share``), and early reads of that share only
+(``early.decide`` with a layout, ``early.child`` with byte ranges), on checkpoints written
 here: the ranges hold every byte of what the node's ranks hold and nothing of what they do not."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import pytest
 
 from vllm_fastload import policy
 from vllm_fastload.checkpoint import Checkpoint
+from vllm_fastload.early import decide as early
+from vllm_fastload.early import marks
+from vllm_fastload.early.node_share import NodeLayout, RankHolding, coalesce, expert_of, node_share, split_dim
 from vllm_fastload.layers import EMBEDDINGS, LAYER, layer_key
-from vllm_fastload.model import early
-from vllm_fastload.model.node_share import NodeLayout, RankHolding, expert_of, node_share, split_dim
-from vllm_fastload.sources import early_reads
 from vllm_fastload.tools.checkpoints import ModelSpec, write_checkpoint
 from vllm_fastload.tools.pagecache import evict
 
@@ -40,7 +40,7 @@ def moe(tmp_path_factory) -> Path:
 def _open(path: Path) -> tuple[dict, dict[str, int]]:
     ckpt = Checkpoint.discover(path)
     try:
-        return dict(ckpt.tensors), {name: sf.data_offset for name, sf in ckpt.files.items()}
+        return dict(ckpt.tensors), {name: sf.header.data_offset for name, sf in ckpt.files.items()}
     finally:
         ckpt.close()
 
@@ -137,8 +137,8 @@ def test_nearby_ranges_are_read_as_one(dense: Path):
     assert merged.read >= exact.read and merged.held == exact.held
     for r in merged.ranges:
         assert all(b[0] - a[1] > policy.EARLY_READS_GAP for a, b in zip(r.spans, r.spans[1:]))
-    assert early_reads.coalesce([(10, 20), (0, 5), (25, 30), (18, 19), (40, 40)], 5) == ((0, 30),)
-    assert early_reads.coalesce([(0, 5), (11, 12)], 5) == ((0, 5), (11, 12))
+    assert coalesce([(10, 20), (0, 5), (25, 30), (18, 19), (40, 40)], 5) == ((0, 30),)
+    assert coalesce([(0, 5), (11, 12)], 5) == ((0, 5), (11, 12))
 
 
 def test_early_reads_read_the_node_share_and_say_so(dense: Path, tmp_path: Path, monkeypatch, caplog):
@@ -153,17 +153,17 @@ def test_early_reads_read_the_node_share_and_say_so(dense: Path, tmp_path: Path,
     evict(files)
     if _cached_share(Path(files[0])) > 0.5:
         pytest.skip("this filesystem keeps files cached after POSIX_FADV_DONTNEED (tmpfs?)")
-    for key in (early.STARTED_ENV, early.MARKS_ENV, "FASTLOAD_EARLY_READS"):
+    for key in (early.STARTED_ENV, marks.MARKS_ENV, "FASTLOAD_EARLY_READS"):
         monkeypatch.delenv(key, raising=False)
     layout = NodeLayout(node=1, nodes=2, ranks=(_stage(1),), layers_total=4)
     with caplog.at_level(logging.INFO, logger="vllm_fastload"):
-        early.start("test", lambda: early.Start(path=str(copy), extra={}, local_ranks=1, nodes=2, layout=layout))
+        early.start("test", lambda: early.EarlyStart(path=str(copy), extra={}, local_ranks=1, nodes=2, layout=layout))
         try:
             share = early.node_share_of(files, layout)
             _wait_for(caplog, "files in the page cache after")
         finally:
-            early.load_begins()
-            early.load_ends()
+            marks.load_begins()
+            marks.load_ends()
         _wait_for(caplog, "files released after")
     line = re.search(r"early reads: 2 checkpoint files \([\d.]+ of [\d.]+ GB: ([\d.]+) of the checkpoint, ([\d.]+) "
                      r"of its layers; node 1 of 2 holds layers 2-3 of 4, the head\) into the page cache", caplog.text)
@@ -192,15 +192,15 @@ def test_one_node_reads_every_file_as_before():
 
 
 def test_several_nodes_with_an_unknown_layout_read_every_file_and_say_why(dense: Path, monkeypatch, caplog):
-    for key in (early.STARTED_ENV, early.MARKS_ENV):
+    for key in (early.STARTED_ENV, marks.MARKS_ENV):
         monkeypatch.delenv(key, raising=False)
     with caplog.at_level(logging.INFO, logger="vllm_fastload"):
-        early.start("test", lambda: early.Start(path=str(dense), extra={}, local_ranks=1, nodes=2))
+        early.start("test", lambda: early.EarlyStart(path=str(dense), extra={}, local_ranks=1, nodes=2))
         try:
             _wait_for(caplog, "files in the page cache after")
         finally:
-            early.load_begins()
-            early.load_ends()
+            marks.load_begins()
+            marks.load_ends()
         _wait_for(caplog, "files released after")
     assert re.search(r"early reads: 2 checkpoint files \([\d.]+ GB\) into the page cache while test starts; every "
                      r"file: the start spans several nodes, but what this node's ranks hold is unknown", caplog.text)

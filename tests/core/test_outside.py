@@ -131,7 +131,7 @@ def test_hugging_face_cache_symlinks_are_the_checkpoints_files(tmp_path: Path) -
         f.rename(blob)
         (snapshot / f.name).symlink_to(os.path.relpath(blob, snapshot))
     with open_ckpt(snapshot) as ckpt:
-        assert sorted(ckpt.checkpoint.files) == [str(snapshot / SHARD1), str(snapshot / SHARD2)]
+        assert sorted(ckpt.files) == [str(snapshot / SHARD1), str(snapshot / SHARD2)]
         for name, tensor in want.items():
             assert_bitexact(ckpt.get_tensor(name), tensor, name)
         assert_bitexact(ckpt.get_tensor("lm_head.weight"), load_file(snapshot / SHARD2)["lm_head.weight"])

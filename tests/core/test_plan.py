@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import vllm_fastload
 from vllm_fastload import TensorRequest, policy
 from vllm_fastload.layers import EMBEDDINGS, FINAL, LAYER, LayerKey, layer_key
 from vllm_fastload.plan import BUFFER_ALIGN, Plan, Rows
@@ -43,15 +44,15 @@ def test_dim0_slice_is_one_contiguous_range(one_file):
         info = ckpt.info("model.layers.0.a")
         t = planned(ckpt, TensorRequest("model.layers.0.a", 0, 2, 5))
         assert t.strategy == "contiguous"
-        assert t.ranges == [(info.start + 2 * 64, 5 * 64)]
+        assert t.ranges == ((info.start + 2 * 64, 5 * 64),)
         assert t.shape == (5, 16) and t.needed_bytes == t.read_bytes == 320
         whole = planned(ckpt, TensorRequest("model.layers.0.a"))
-        assert whole.strategy == "whole" and whole.ranges == [(info.start, info.nbytes)]
+        assert whole.strategy == "whole" and whole.ranges == ((info.start, info.nbytes),)
         # A later dim whose outer dims are all 1, or a full-size slice, is contiguous too.
         d = ckpt.info("model.layers.0.d")
-        assert planned(ckpt, TensorRequest("model.layers.0.d", 1, 3, 4)).ranges == [(d.start + 12, 16)]
-        assert planned(ckpt, TensorRequest("model.layers.0.a", 1, 0, 16)).ranges == [(info.start, info.nbytes)]
-        assert planned(ckpt, TensorRequest("model.layers.0.a", 0, 3, 0)).ranges == []
+        assert planned(ckpt, TensorRequest("model.layers.0.d", 1, 3, 4)).ranges == ((d.start + 12, 16),)
+        assert planned(ckpt, TensorRequest("model.layers.0.a", 1, 0, 16)).ranges == ((info.start, info.nbytes),)
+        assert planned(ckpt, TensorRequest("model.layers.0.a", 0, 3, 0)).ranges == ()
 
 
 @pytest.mark.parametrize(("skip", "strategy"), [(0, "strided"), (31, "strided"), (32, "strided"),
@@ -70,7 +71,7 @@ def test_dim1_slice_follows_the_cost_rule(one_file, skip: int, strategy: str):
             assert t.ranges == [(info.start + 16 + i * 64, 32) for i in range(8)]
             assert t.read_bytes == t.needed_bytes
         else:
-            assert t.ranges == [(info.start + 16, 7 * 64 + 32)]
+            assert t.ranges == ((info.start + 16, 7 * 64 + 32),)
             assert t.view_strides == (16, 1)
         stream = ckpt.iter_tensors([req])
         ((_, view),) = [(k, v.clone()) for k, v in stream]
@@ -371,3 +372,33 @@ def test_direct_destinations_get_chunks_without_buffers(one_file):
         assert plan.largest_chunk == 8 * 16 * 4
         ckpt.read_into({"model.layers.0.a": dest})
         assert_bitexact(dest, tensors["model.layers.0.a"])
+
+
+def test_read_into_plans_each_request_once_and_builds_one_plan(one_file, monkeypatch):
+    """A load is planned once: each request resolved against the headers once, the plan built once
+    (the destinations' checks and the direct reads use that resolution), and asking the
+    checkpoint what it reads with starts nothing."""
+    from vllm_fastload import plan as plan_module
+
+    root, tensors = one_file
+    resolved, built = [], []
+    real_tensor, real_build = plan_module.plan_tensor, plan_module.build_plan
+    monkeypatch.setattr(plan_module, "plan_tensor", lambda *a, **k: resolved.append(a[1]) or real_tensor(*a, **k))
+    monkeypatch.setattr(plan_module, "build_plan", lambda *a, **k: built.append(1) or real_build(*a, **k))
+    import vllm_fastload.api as api_module
+
+    monkeypatch.setattr(api_module, "build_plan", plan_module.build_plan)
+    with open_ckpt(root) as ckpt:
+        assert ckpt.backend == "host" and ckpt.strided_min_skip == 0 and ckpt._reader is None  # nothing made yet
+        targets = {TensorRequest("model.layers.0.a", 1, 4, 8): torch.empty(8, 8),
+                   "model.layers.0.c": torch.empty(4, 6, 10, dtype=torch.bfloat16)}
+        seen = []
+
+        class Hooks(vllm_fastload.ReadHooks):
+            def on_tensor(self, request, tensor):
+                seen.append(request.result_key)
+
+        ckpt.read_into(targets, extra=["model.layers.0.b"], hooks=Hooks())
+    assert [r.result_key for r in resolved] == ["model.layers.0.a", "model.layers.0.c", "model.layers.0.b"]
+    assert built == [1] and seen == ["model.layers.0.b"]
+    assert_bitexact(targets[TensorRequest("model.layers.0.a", 1, 4, 8)], tensors["model.layers.0.a"][:, 4:12])

@@ -15,7 +15,7 @@ from vllm_fastload import TensorRequest, policy
 from vllm_fastload.errors import ReadError
 from vllm_fastload.libc import releasing_gil
 from vllm_fastload.plan import Rows
-from vllm_fastload.readers import ReadCall, RowsCall, base, host, mapped, memory
+from vllm_fastload.readers import ReadCall, RowsCall, base, host, mapped, memory, pagecache
 
 from ._util import assert_bitexact, open_ckpt, random_tensor, save
 
@@ -110,8 +110,8 @@ def test_cached_rows_are_copied_out_of_a_mapping(wide, monkeypatch, cached: bool
     with open_ckpt(path, dict(config, threads=1)) as ckpt:
         planned = ckpt.plan([TensorRequest(NAME, 1, 3, 50)]).tensors[0]
         assert planned.rows.gaps is (config is THROUGH_GAPS)
-        monkeypatch.setattr(host, "_cached", lambda fd, offsets: cached)
-        monkeypatch.setattr(host, "_has_holes", lambda fd, calls: False)  # wholly cached
+        monkeypatch.setattr(pagecache, "is_cached", lambda fd, offsets: cached)
+        monkeypatch.setattr(host, "has_holes", lambda fd, calls: False)  # wholly cached
         monkeypatch.setattr(os, "preadv", counting)
         monkeypatch.setattr(mapped, "copy_rows", copying)
         dest = torch.empty(ROWS, 50, dtype=torch.bfloat16)
@@ -142,7 +142,7 @@ def test_uncached_rows_with_gaps_of_a_page_or_more_are_read_one_by_one(tmp_path,
 
     with open_ckpt(path, {"threads": 1}) as ckpt:
         assert ckpt.plan([TensorRequest(NAME, 1, 8, 32)]).tensors[0].strategy == "strided"
-        monkeypatch.setattr(host, "_cached", lambda fd, offsets: False)
+        monkeypatch.setattr(pagecache, "is_cached", lambda fd, offsets: False)
         monkeypatch.setattr(os, "preadv", counting)
         dest = torch.empty(rows, 32, dtype=torch.bfloat16)
         ckpt.read_into({TensorRequest(NAME, 1, 8, 32): dest})
@@ -174,7 +174,7 @@ def test_rows_are_read_where_the_file_is_not_mapped(wide, monkeypatch, refusal: 
 
         monkeypatch.setattr(mapped.mmap, "mmap", refuse)
     else:
-        monkeypatch.setattr(mapped, "filesystem_type", lambda p: "fuse.sshfs")
+        monkeypatch.setattr(mapped.machine, "filesystem_type", lambda p: "fuse.sshfs")
         mapped._local.cache_clear()
     answers = _spy_on_copies(monkeypatch)
     real, reads = os.preadv, []
@@ -184,8 +184,8 @@ def test_rows_are_read_where_the_file_is_not_mapped(wide, monkeypatch, refusal: 
             reads.append(len(buffers))
         return real(fd, buffers, offset, *flags)
 
-    monkeypatch.setattr(host, "_cached", lambda fd, offsets: True)
-    monkeypatch.setattr(host, "_has_holes", lambda fd, calls: False)  # wholly cached
+    monkeypatch.setattr(pagecache, "is_cached", lambda fd, offsets: True)
+    monkeypatch.setattr(host, "has_holes", lambda fd, calls: False)  # wholly cached
     monkeypatch.setattr(os, "preadv", counting)
     try:
         with open_ckpt(path, dict(ROW_BY_ROW, threads=2)) as ckpt:
@@ -204,8 +204,8 @@ def test_truncated_file_fails_inside_a_rows_read(tmp_path: Path, monkeypatch, co
     """A clear error, also from the page cache, where a mapped page past the end would be SIGBUS."""
     w = random_tensor((ROWS, 96), torch.bfloat16, 3)
     path = save(tmp_path / "m.safetensors", {NAME: w})
-    monkeypatch.setattr(host, "_cached", lambda fd, offsets: cached)
-    monkeypatch.setattr(host, "_has_holes", lambda fd, calls: False)  # wholly cached
+    monkeypatch.setattr(pagecache, "is_cached", lambda fd, offsets: cached)
+    monkeypatch.setattr(host, "has_holes", lambda fd, calls: False)  # wholly cached
     answers = _spy_on_copies(monkeypatch)
     mapping, real_mmap = [], mmap.mmap
 
@@ -282,7 +282,7 @@ def test_cache_probe_and_advice(tmp_path: Path, monkeypatch):
         os.pread(fd, 1 << 20, 0)                       # just written and read: cached
         calls = [ReadCall(8, 4096, torch.empty(4096, dtype=torch.uint8))]
         assert host.cached_calls(fd, calls) is hasattr(os, "RWF_NOWAIT")
-        monkeypatch.setattr(host, "_cached", lambda fd, offsets: False)
+        monkeypatch.setattr(pagecache, "is_cached", lambda fd, offsets: False)
         assert host.cached_calls(fd, calls) is False
         host.advise(fd, calls)
         assert advised == [(8, 4096)]
@@ -319,7 +319,7 @@ def test_copies_from_the_page_cache_use_no_more_threads_than_cpus(wide, monkeypa
         cached = hasattr(os, "RWF_NOWAIT")
         if cached:
             assert len(names) == 1 and next(iter(names)).startswith("fastload-copy")
-        monkeypatch.setattr(host, "_cached", lambda fd, offsets: False)
+        monkeypatch.setattr(pagecache, "is_cached", lambda fd, offsets: False)
         names.clear()
         assert_bitexact(ckpt.get_tensor(NAME), w)
         assert all(n.startswith("fastload-host") for n in names)
@@ -334,7 +334,7 @@ def test_gpu_staging_packs_rows_and_ranges_into_a_slot(wide, gaps: bool):
     path, w = wide
     raw = w.view(torch.uint8).reshape(ROWS, 192)
     with open_ckpt(path, {}) as ckpt:
-        sf = next(iter(ckpt.checkpoint.files.values()))
+        sf = next(iter(ckpt._checkpoint.files.values()))
         start = ckpt.info(NAME).start
         rows = Rows(start + 10 * 192 + 64, 32, 192, 700, gaps)   # rows 10..709, bytes 64..95
         batch = [ReadCall(start, 100, "head"), RowsCall(rows, "rows"), ReadCall(start + 192, 8, "tail")]
@@ -374,7 +374,7 @@ def test_gpu_staging_error_keeps_no_destination_alive(tmp_path: Path):
     w = random_tensor((ROWS, 96), torch.bfloat16, 5)
     path = save(tmp_path / "m.safetensors", {NAME: w})
     with open_ckpt(path, {"check_file_changes": False}) as ckpt:
-        sf = next(iter(ckpt.checkpoint.files.values()))
+        sf = next(iter(ckpt._checkpoint.files.values()))
         start = ckpt.info(NAME).start
         os.truncate(path, start + 100 * 192)
         buffer = torch.empty(32 * ROWS, dtype=torch.uint8)

@@ -13,10 +13,9 @@ import torch
 from safetensors import safe_open
 
 import vllm_fastload
-from vllm_fastload import policy
+from vllm_fastload import machine, policy
 from vllm_fastload.bench import netfs
 from vllm_fastload.readers import pagecache
-from vllm_fastload.sources import fstype
 from vllm_fastload.tp_rules import rank_requests
 
 from .conftest import require_sshfs
@@ -50,7 +49,7 @@ def test_mount_serves_the_files_and_is_undone(local_checkpoint: Path, monkeypatc
     monkeypatch.setattr(netfs.SshServer, "__enter__", spy)
     with netfs.sshfs_mount(local_checkpoint) as mnt:
         assert netfs.is_mounted(mnt)
-        assert fstype.filesystem_type(mnt / "model.safetensors.index.json") == "fuse.sshfs"
+        assert machine.filesystem_type(mnt / "model.safetensors.index.json") == "fuse.sshfs"
         assert sorted(p.name for p in mnt.iterdir()) == sorted(p.name for p in local_checkpoint.iterdir())
         for path in local_checkpoint.glob("*.safetensors"):
             assert (mnt / path.name).read_bytes() == path.read_bytes()
@@ -108,7 +107,7 @@ def test_tp2_slices_through_sshfs_bit_exactly(mounted: Path, local_checkpoint: P
 
 
 def test_network_defaults_apply_only_to_unset_fields(mounted: Path, local_checkpoint: Path) -> None:
-    assert fstype.is_network("fuse.sshfs") and fstype.is_network("nfs4") and not fstype.is_network("ext4")
+    assert machine.is_network("fuse.sshfs") and machine.is_network("nfs4") and not machine.is_network("ext4")
     with vllm_fastload.open(mounted, config={"progress": False}) as ckpt:
         for field, value in policy.NETWORK_DEFAULTS.items():
             assert getattr(ckpt.config, field) == value
@@ -117,9 +116,9 @@ def test_network_defaults_apply_only_to_unset_fields(mounted: Path, local_checkp
         for field in policy.NETWORK_DEFAULTS:
             assert getattr(ckpt.config, field) == 12345  # an explicit setting wins
     with vllm_fastload.open(local_checkpoint, config={"progress": False}) as ckpt:
-        assert not fstype.is_network(fstype.filesystem_type(local_checkpoint))
+        assert not machine.is_network(machine.filesystem_type(local_checkpoint))
         for field in policy.NETWORK_DEFAULTS:
-            assert field not in ckpt.config.model_fields_set
+            assert not ckpt.config.is_set(field)
 
 
 def test_early_reads_on_local_disks_by_default_and_on_network_filesystems_when_asked(

@@ -12,7 +12,7 @@ from vllm_fastload.checkpoint import Checkpoint
 from vllm_fastload.config import ConfigError, FastloadConfig
 from vllm_fastload.errors import AccessDeniedError, CheckpointError
 from vllm_fastload.format import SafetensorsFile
-from vllm_fastload.readers import select_backend
+from vllm_fastload.readers import reader_traits
 from vllm_fastload.sources import LocalSource, ObjectSource, Source
 from vllm_fastload.tp_rules import rank_requests
 
@@ -31,7 +31,7 @@ def test_open_uri_gives_the_local_tensors(s3, local_checkpoint) -> None:
     want = local_tensors(local_checkpoint)
     with vllm_fastload.open(s3.uri(), config=CONFIG) as ckpt:
         assert ckpt.keys() == sorted(want)
-        assert ckpt.checkpoint.is_remote and ckpt.reader.name == "host"
+        assert ckpt.is_remote and ckpt.backend == "host"
         assert ckpt.info("model.norm.weight").file.startswith(s3.uri() + "/")
         assert ckpt.metadata() == {"format": "pt"}
         for name, tensor in ckpt.iter_tensors():
@@ -78,12 +78,12 @@ def test_rank_reads_are_served_without_extra_bytes(s3, local_checkpoint) -> None
     config = {**CONFIG, "remote": {**FAST, "coalesce_gap": 64}}
     with vllm_fastload.open(s3.uri(), config=config) as ckpt:
         assert ckpt.strided_min_skip == 64
-        requests = rank_requests(ckpt.checkpoint, 2, 1)
+        requests = rank_requests(ckpt.tensors, 2, 1)
         plan = ckpt.plan(requests)
         s3.proxy.clear()
         got = dict(ckpt.iter_tensors(requests))
     served = sum(r.body_bytes for r in s3.proxy.gets())
-    assert served == plan.read_bytes < 0.6 * ckpt.checkpoint.total_bytes
+    assert served == plan.read_bytes < 0.6 * ckpt.total_bytes
     for req in requests:
         full = want[req.name]
         expect = full if req.dim is None else full.narrow(req.dim, req.start, req.length)
@@ -129,10 +129,10 @@ def test_remote_config_from_extra_config_and_env() -> None:
 
 def test_backend_choice_for_objects() -> None:
     cuda = torch.device("cuda", 0)
-    assert select_backend(FastloadConfig(), cuda, remote=True) == "cuda"
-    assert select_backend(FastloadConfig(), torch.device("cpu"), remote=True) == "host"
+    assert reader_traits(FastloadConfig(), cuda, remote=True).backend == "cuda"
+    assert reader_traits(FastloadConfig(), torch.device("cpu"), remote=True).backend == "host"
     with pytest.raises(ValueError, match="local files only"):
-        select_backend(FastloadConfig(backend="kvikio"), cuda, remote=True)
+        reader_traits(FastloadConfig(backend="kvikio"), cuda, remote=True)
 
 
 def test_cli_plan_on_a_uri(s3, capsys) -> None:

@@ -210,10 +210,10 @@ def test_header_in_one_request(s3, local_checkpoint) -> None:
     assert len(s3.proxy.records) == 1 and s3.proxy.records[0].range == "bytes=0-1048575"
     local = read_safetensors_file(local_checkpoint / SHARD1)
     try:
-        assert remote.data_offset == local.data_offset and remote.metadata == local.metadata
-        assert {n: (t.dtype, t.shape, t.start, t.end) for n, t in remote.tensors.items()} == \
-            {n: (t.dtype, t.shape, t.start, t.end) for n, t in local.tensors.items()}
-        assert {t.file for t in remote.tensors.values()} == {s3.uri(SHARD1)}
+        assert remote.header.data_offset == local.header.data_offset and remote.header.metadata == local.header.metadata
+        assert {n: (t.dtype, t.shape, t.start, t.end) for n, t in remote.header.tensors.items()} == \
+            {n: (t.dtype, t.shape, t.start, t.end) for n, t in local.header.tensors.items()}
+        assert {t.file for t in remote.header.tensors.values()} == {s3.uri(SHARD1)}
     finally:
         local.close()
 
@@ -223,14 +223,14 @@ def test_large_header_takes_a_second_request(s3) -> None:
     s3.proxy.clear()
     remote = read_safetensors_header(store, root.child(SHARD1).key)
     ranges = [r.range for r in s3.proxy.records]
-    assert ranges == ["bytes=0-63", f"bytes=64-{remote.data_offset - 1}"]
+    assert ranges == ["bytes=0-63", f"bytes=64-{remote.header.data_offset - 1}"]
 
 
 def test_headers_of_many_objects(s3) -> None:
     store, root = open_store(s3.uri(), FAST)
     layout = discover(store, root)
     headers = read_safetensors_headers(store, layout.keys)
-    names = {n for h in headers for n in h.tensors}
+    names = {n for h in headers for n in h.header.tensors}
     assert names == set(layout.weight_map)
 
 
@@ -238,15 +238,15 @@ def test_discovery_rules(s3, s3_client, local_checkpoint) -> None:
     store, root = open_store(s3.uri(), FAST)
     layout = discover(store, root)
     assert layout.index_key == f"{s3.prefix}/model.safetensors.index.json"
-    assert layout.keys == [f"{s3.prefix}/{SHARD1}", f"{s3.prefix}/{SHARD2}"]
+    assert layout.keys == (f"{s3.prefix}/{SHARD1}", f"{s3.prefix}/{SHARD2}")
     single = ObjectURI.parse(s3.uri(SHARD2))
-    assert discover(store, single).keys == [single.key]
+    assert discover(store, single).keys == (single.key,)
     # Without an index: every *.safetensors directly below the prefix, in name order.
     for name in (SHARD2, SHARD1, "nested/deeper.safetensors"):
         s3_client.put_object(Bucket=s3.bucket, Key=f"noindex/{name}", Body=local_bytes(local_checkpoint, SHARD1))
     plain = discover(store, ObjectURI.parse(f"s3://{s3.bucket}/noindex"))
-    assert plain.keys == [f"noindex/{SHARD1}", f"noindex/{SHARD2}"] and plain.weight_map is None
-    assert [o.key for o in list_objects(f"s3://{s3.bucket}/noindex", FAST)] == plain.keys
+    assert plain.keys == (f"noindex/{SHARD1}", f"noindex/{SHARD2}") and plain.weight_map is None
+    assert [o.key for o in list_objects(f"s3://{s3.bucket}/noindex", FAST)] == list(plain.keys)
 
 
 def test_index_naming_a_missing_object(s3, s3_client, local_checkpoint) -> None:
@@ -268,7 +268,7 @@ def test_http_uri_reads_through_the_index(s3, s3_client, local_checkpoint) -> No
     layout = discover(store, root)
     assert [k.rsplit("/", 1)[-1] for k in layout.keys] == [SHARD1, SHARD2]
     remote = read_safetensors_header(store, layout.keys[1])
-    t = next(iter(remote.tensors.values()))
+    t = next(iter(remote.header.tensors.values()))
     assert bytes(remote.source.read(t.start, t.nbytes)) == local_bytes(local_checkpoint, SHARD2)[t.start:t.end]
 
 

@@ -101,10 +101,10 @@ def test_plugin_options_are_validated_as_under_vllm(sg_env):
 RESOLVE = PRELUDE + """
 import logging, os, subprocess, sys
 logging.basicConfig(level=logging.INFO)
-from vllm_fastload.model import early
+import vllm_fastload.model as model
 calls = []
-start = early.start
-early.start = lambda engine, settings: (calls.append(engine), start(engine, settings))[1]
+start = model.start_early_reads
+model.start_early_reads = lambda engine, settings: (calls.append(engine), start(engine, settings))[1]
 from sglang.srt.server_args import ServerArgs
 args = ServerArgs(model_path=sys.argv[1], load_format="fastload", device="cpu")
 args.resolve_once()

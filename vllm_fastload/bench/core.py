@@ -52,9 +52,9 @@ def main(args: argparse.Namespace) -> int:
     config = vllm_fastload.FastloadConfig.from_env(progress=False)
     with vllm_fastload.open(model, config=config) as ckpt:
         infos = {n: ckpt.info(n) for n in ckpt.keys()}
-        files = sorted(ckpt.checkpoint.files)
-        total = ckpt.checkpoint.total_bytes
-        tp_requests = rank_requests(ckpt.checkpoint, 2, 1)
+        files = sorted(ckpt.files)
+        total = ckpt.total_bytes
+        tp_requests = rank_requests(ckpt.tensors, 2, 1)
         tp_plan = ckpt.plan(tp_requests)
     print(f"checkpoint {model}: {total / 1e9:.2f} GB in {len(files)} files; config: threads={config.threads} "
           f"aggregate={config.aggregate_size.human_readable()} budget={config.memory_budget.human_readable()}")

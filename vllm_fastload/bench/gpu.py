@@ -47,8 +47,9 @@ import torch
 import vllm_fastload
 from vllm_fastload.bench.core import status_kb
 from vllm_fastload.bench.machine import evict
-from vllm_fastload.config import FastloadConfig, usable_cpus
+from vllm_fastload.config import FastloadConfig
 from vllm_fastload.libc import releasing_gil
+from vllm_fastload.machine import usable_cpus
 from vllm_fastload.tensors import dtype_of, shape_of
 from vllm_fastload.tools.checkpoints import LLAMA3_8B, ModelSpec, write_random_checkpoint
 from vllm_fastload.tp_rules import rank_requests
@@ -394,9 +395,9 @@ def prepare(model: str, device: torch.device) -> Setup:
 
     with vllm_fastload.open(model, config={"progress": False}) as ckpt:
         infos = {n: ckpt.info(n) for n in ckpt.keys()}
-        files = sorted(ckpt.checkpoint.files)
-        total = ckpt.checkpoint.total_bytes
-        tp_requests = rank_requests(ckpt.checkpoint, 2, 1)
+        files = sorted(ckpt.files)
+        total = ckpt.total_bytes
+        tp_requests = rank_requests(ckpt.tensors, 2, 1)
     dests = {n: torch.empty(shape_of(i), dtype=dtype_of(i), device=device) for n, i in infos.items()}
     tp_dests = {}
     for r in tp_requests:

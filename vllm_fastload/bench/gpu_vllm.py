@@ -126,9 +126,9 @@ def choose_loaders(device: str) -> tuple[list[Loader], dict[str, str]]:
         import torch
 
         from vllm_fastload.config import FastloadConfig
-        from vllm_fastload.readers import select_backend
+        from vllm_fastload.readers import reader_traits
 
-        auto = select_backend(FastloadConfig.from_env(), torch.device("cuda"))
+        auto = reader_traits(FastloadConfig.from_env(), torch.device("cuda")).backend
     for loader in LOADERS:
         if device != "cuda" and loader.name in CUDA_ONLY:
             skipped[loader.name] = "CUDA only: not run without a GPU"

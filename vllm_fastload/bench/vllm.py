@@ -272,7 +272,7 @@ def run_bench(args: argparse.Namespace, model: str, source: str, wanted_targets:
     caches = (args.cache or SOURCE_CACHE[source]).split(",")
     if not caches or set(caches) - {"warm", "cold"}:
         raise SystemExit(f"--cache {args.cache!r}: expected warm, cold or warm,cold")
-    from vllm_fastload.sources.fstype import filesystem_type
+    from vllm_fastload.machine import filesystem_type
 
     fstype = filesystem_type(files[0]) if files else "s3rver" if s3 is not None else ""
     print(f"checkpoint {model} ({fstype or 'unknown filesystem'}): {total / 1e9:.2f} GB; loaders {names}; "
@@ -581,10 +581,10 @@ def page_rounded_share(model: str, tp: int) -> float:
         shares = []
         for rank in range(tp):
             pages: set[tuple[str, int]] = set()
-            for t in ckpt.plan(rank_requests(ckpt.checkpoint, tp, rank)).tensors:
+            for t in ckpt.plan(rank_requests(ckpt.tensors, tp, rank)).tensors:
                 for offset, length in t.ranges:
                     pages.update((t.info.file, p) for p in range(offset // page, -(-(offset + length) // page)))
-            shares.append(len(pages) * page / ckpt.checkpoint.total_bytes)
+            shares.append(len(pages) * page / ckpt.total_bytes)
     return max(shares)
 
 

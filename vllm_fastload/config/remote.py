@@ -11,11 +11,23 @@ so that fastload never shows them in a repr, a log line or an error. (vLLM itsel
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    WrapSerializer,
+    field_validator,
+)
 
 from vllm_fastload.errors import ConfigError
+from vllm_fastload.frozen import FrozenMap
 
 
 class RemoteConfig(BaseModel):
@@ -49,7 +61,9 @@ class RemoteConfig(BaseModel):
     anonymous: bool = Field(False, description="Send unsigned requests (public buckets); no credentials looked up.")
     virtual_hosted_style: bool | None = Field(None, description="S3 bucket in the host name instead of the path; "
                                               "default: the environment or path style.")
-    store_options: dict[str, SecretStr] = Field(default_factory=dict, description="Further obstore store "
+    store_options: Annotated[Mapping[str, SecretStr], AfterValidator(FrozenMap),
+                             WrapSerializer(lambda value, dump: dump(dict(value)))] = Field(
+        default_factory=FrozenMap, description="Further obstore store "
                                                 "options (S3Config / GCSConfig / AzureConfig keys), e.g. "
                                                 "access_key_id; values are treated as secrets.")
 

@@ -1,16 +1,33 @@
 """Loading one rank of a model, for any engine whose layers slice with their own weight loaders.
 
-What the engine adapters (``vllm_plugin``, ``sglang_plugin``) share, knowing neither engine:
+What the engine adapters (``vllm_plugin``, ``sglang_plugin``) share, knowing neither engine; with
+the package root, the only part of ``vllm_fastload`` an adapter imports (``__all__``):
 
+- ``rank``: open, probe, plan, read (layer events, progress bar, row exchange at TP>1), replay,
+  or read everything whole through ``load_weights`` where the probe cannot describe the model
+  (``load_rank``); ``options``: the config an engine's loader runs with (``loader_config``);
 - ``probe``: run the model's ``load_weights`` on placeholders and record every write, so the
   engine's own code says which bytes of which checkpoint tensor land where on this rank;
 - ``geometry`` and ``reads``: from those writes to the fewest bytes to read, and back;
-- ``rank``: open, probe, plan, read (layer events, progress bar, row exchange at TP>1), replay,
-  or read everything whole through ``load_weights`` where the probe cannot describe the model;
-- ``report``: what a rank's load did (``LoadReport``), which every adapter logs and keeps;
-- ``early``: read the checkpoint into the page cache while the engine starts; ``node_share``: on a
-  start that spans nodes, the byte ranges one node's ranks hold, which is what it reads early.
+- ``exchange``: the row exchange's swaps between the ranks of a tensor-parallel group
+  (``Collectives``: what it needs of the group);
+- early reads (``vllm_fastload.early``): ``start_early_reads`` where the engine has its
+  configuration, ``loading`` around each rank's load.
 
 What differs between engines (the model's construction, the distributed groups, the completeness
 check, the default loader to fall back to) is passed in by the adapter.
 """
+
+from vllm_fastload.early.decide import EarlyStart
+from vllm_fastload.early.decide import start as start_early_reads
+from vllm_fastload.early.marks import loading
+from vllm_fastload.early.node_share import NodeLayout, RankHolding
+from vllm_fastload.events import missing_targets
+from vllm_fastload.model.exchange import Collectives
+from vllm_fastload.model.options import loader_config
+from vllm_fastload.model.probe import LoadWeights, own_load_weights
+from vllm_fastload.model.rank import ParameterListener, load_rank, model_device
+
+__all__ = ["Collectives", "EarlyStart", "LoadWeights", "NodeLayout", "ParameterListener", "RankHolding",
+           "load_rank", "loader_config", "loading", "missing_targets", "model_device", "own_load_weights",
+           "start_early_reads"]

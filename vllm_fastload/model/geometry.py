@@ -15,6 +15,7 @@ exact or gives up (``None``), and giving up means reading the whole tensor, neve
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -194,7 +195,7 @@ class Member:
     view: SlabView
 
 
-@dataclass
+@dataclass(frozen=True)
 class Slab:
     """One read: ``tensor.narrow(dim, start, length)`` (``dim`` None: the whole tensor), and the
     views of the writes it serves."""
@@ -202,7 +203,7 @@ class Slab:
     dim: int | None
     start: int
     length: int
-    members: list[Member]
+    members: tuple[Member, ...] = ()
 
 
 def _rows(tensor_shape: tuple[int, ...], view: Geometry) -> tuple[int, int] | None:
@@ -230,15 +231,18 @@ def plan_slabs(tensor_shape: tuple[int, ...], views: list[Geometry], read_cost: 
     extents = _extents(shape, views)
     if extents is not None:
         cover = min(_covers(extents, read_cost), key=lambda c: c.cost)
-        if cover.cost < read_cost(None, 0, shape[0]) and _assign(shape, views, cover.slabs):
-            return [s for s in cover.slabs if s.members]
+        if cover.cost < read_cost(None, 0, shape[0]):
+            assigned = _assign(shape, views, cover.slabs)
+            if assigned is not None:
+                return [s for s in assigned if s.members]
     return _whole(shape, views)
 
 
 def _whole(shape: tuple[int, ...], views: list[Geometry]) -> list[Slab]:
     """The whole tensor as one slab, holding every view."""
     length = shape[0] if shape else 1
-    return [Slab(None, 0, length, [Member(i, _view_or_raise(shape, v, None, 0, length)) for i, v in enumerate(views)])]
+    return [Slab(None, 0, length, tuple(Member(i, _view_or_raise(shape, v, None, 0, length))
+                                        for i, v in enumerate(views)))]
 
 
 def _extents(shape: tuple[int, ...], views: list[Geometry]) -> list[dict[int, tuple[int, int]]] | None:
@@ -298,23 +302,24 @@ def _merge(picks: dict[int, list[tuple[int, int]]], read_cost: ReadCost) -> _Cov
                     continue
             merged.append([lo, hi])
         for lo, hi in merged:
-            slabs.append(Slab(d, lo, hi - lo + 1, []))
+            slabs.append(Slab(d, lo, hi - lo + 1))
             total += read_cost(d, lo, hi - lo + 1)
     return _Cover(total, slabs)
 
 
-def _assign(shape: tuple[int, ...], views: list[Geometry], slabs: list[Slab]) -> bool:
-    """Each view to the first of ``slabs`` it lies inside; False where one lies in none (cannot
-    happen: every view's own pick lies inside a merged slab)."""
+def _assign(shape: tuple[int, ...], views: list[Geometry], slabs: list[Slab]) -> list[Slab] | None:
+    """``slabs``, each with the views that lie inside it and in no slab before it; None where one
+    lies in none (cannot happen: every view's own pick lies inside a merged slab)."""
+    members: list[list[Member]] = [[] for _ in slabs]
     for i, view in enumerate(views):
-        for slab in slabs:
+        for slab, served in zip(slabs, members):
             member = slab_view(shape, view, slab.dim, slab.start, slab.length)
             if member is not None:
-                slab.members.append(Member(i, member))
+                served.append(Member(i, member))
                 break
         else:
-            return False
-    return True
+            return None
+    return [dataclasses.replace(slab, members=tuple(served)) for slab, served in zip(slabs, members)]
 
 
 def _view_or_raise(shape: tuple[int, ...], view: Geometry, dim: int | None, lo: int, length: int) -> SlabView:

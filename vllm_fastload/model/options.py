@@ -1,7 +1,7 @@
 """fastload's options as an engine hands them to its loader (``--model-loader-extra-config``).
 
 Both engines take a JSON object there and print it verbatim in their start-up logs; fastload
-reads it over the ``FASTLOAD_*`` environment (``FastloadConfig.from_env``), so that an unknown key
+reads it over the ``FASTLOAD_*`` environment (``FastloadConfig.for_engine``), so that an unknown key
 or a bad value stops the start before anything is read, naming the key.
 """
 
@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_fastload.config import FastloadConfig
-from vllm_fastload.errors import ConfigError
+from vllm_fastload import ConfigError, FastloadConfig
 
 #: Store option names that hold credentials (obstore's S3/GCS/Azure option names contain one of these).
 _SECRET_WORDS = ("secret", "token", "password", "key", "sas", "credential")
@@ -20,7 +19,7 @@ def loader_config(extra: dict[str, Any] | None, engine: str) -> FastloadConfig:
     """The config a loader runs with: the environment's ``FASTLOAD_*``, ``extra`` on top."""
     extra = dict(extra or {})
     refuse_secrets(extra, engine)
-    return FastloadConfig.from_env(**extra)
+    return FastloadConfig.for_engine(extra)
 
 
 def refuse_secrets(extra: dict[str, Any], engine: str) -> None:

@@ -17,7 +17,6 @@ engines' own layers.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
@@ -28,18 +27,24 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from vllm_fastload import exchange, policy
-from vllm_fastload.api import FastCheckpoint, ReadHooks
-from vllm_fastload.config import FastloadConfig, reader_cpu_count
-from vllm_fastload.errors import CheckpointError
-from vllm_fastload.events import Countdown
-from vllm_fastload.executor import LoadStats
-from vllm_fastload.format import TensorInfo
+from vllm_fastload import (
+    CheckpointError,
+    ConfigFacts,
+    Countdown,
+    FastCheckpoint,
+    FastloadConfig,
+    LayerGroup,
+    LoadReport,
+    LoadStats,
+    Plan,
+    ReadHooks,
+    TensorInfo,
+    TensorRequest,
+    policy,
+)
+from vllm_fastload.model import exchange
 from vllm_fastload.model.probe import LoadWeights, Placement, ProbeResult, own_load_weights, probe_model
 from vllm_fastload.model.reads import RankReads, plan_reads
-from vllm_fastload.model.report import LoadReport
-from vllm_fastload.plan import LayerGroup, Plan, TensorRequest
-from vllm_fastload.readers.memory import Prefault
 from vllm_fastload.tensors import dtype_of, shape_of
 
 # The core's logger: the adapters show its lines in their engine's log.
@@ -60,7 +65,8 @@ class ParameterListener(Protocol):
 def load_rank(model: nn.Module, path: str | list[str], config: FastloadConfig, *,
               device: torch.device | str = "cpu", rank: int = 0, world: int = 1,
               collectives: exchange.Collectives | None = None, show_progress: bool = False,
-              listener: ParameterListener | None = None, load_weights: LoadWeights | None = None) -> LoadReport:
+              listener: ParameterListener | None = None, load_weights: LoadWeights | None = None,
+              rank_cpus: tuple[int, ...] | None = None) -> LoadReport:
     """Fill ``model``'s parameters from the checkpoint at ``path`` (or exactly the files listed) as
     this rank's ``load_weights`` would.
 
@@ -72,13 +78,15 @@ def load_rank(model: nn.Module, path: str | list[str], config: FastloadConfig, *
     ``load_weights``: what the engine's default loader calls with the checkpoint's tensors, where
     that is not just ``model.load_weights`` (SGLang renames some tensors on the way); the probe
     runs it on placeholders and the fallback on the real tensors, so both see what the engine does.
+    ``rank_cpus``: the CPUs the engine bound this rank to, where it did (``ConfigFacts.rank_cpus``).
     """
     decisions = policy.DecisionLog()  # this load's decisions, each logged once
     sharing = _Sharing(collectives, decisions)
-    load = _Load(model, path, config, torch.device(device), rank, world, show_progress, listener,
-                 load_weights or own_load_weights(model), sharing, decisions)
+    load = _Load(model, rank, world, listener, load_weights or own_load_weights(model), sharing)
     try:
-        return load.run()
+        with FastCheckpoint(path, device, config, show_progress=show_progress,
+                            facts=ConfigFacts(rank_cpus=rank_cpus)) as ckpt:
+            return load.run(ckpt)
     except BaseException:
         sharing.give_up()  # a rank that fails before agreeing still takes part (no-op after)
         raise
@@ -89,66 +97,48 @@ class _Load:
     """One rank's load: what ``load_rank`` was given, and the steps it takes."""
 
     model: nn.Module
-    path: str | list[str]
-    config: FastloadConfig
-    device: torch.device
     rank: int
     world: int
-    show_progress: bool
     listener: ParameterListener | None
     load_weights: LoadWeights
     sharing: _Sharing
-    decisions: policy.DecisionLog
     phases: dict[str, float] = field(default_factory=dict)
 
-    def run(self) -> LoadReport:
+    def run(self, ckpt: FastCheckpoint) -> LoadReport:
         start = time.perf_counter()
-        whole = whole_reads_config(self.config, self.world)
-        with self.open(self.config if self.config.plan_per_rank else whole) as ckpt:
-            cached = ckpt.cached_share()
-            infos = {name: ckpt.info(name) for name in ckpt.keys()}
-            self.sharing.decide(self.config, ckpt, infos)
-            tensors = {name: (shape_of(info), dtype_of(info)) for name, info in infos.items()}
-            probe = (probe_model(self.model, tensors, self.load_weights) if self.config.plan_per_rank else
-                     ProbeResult(unsupported=("plan_per_rank is false in the fastload config",)))
-            self.phases["probe"] = time.perf_counter() - start
-            if probe.unsupported:
-                outcome = self.read_whole(ckpt, whole, probe.unsupported[0], len(infos))
-            else:
-                outcome = self.read_planned(ckpt, probe, infos)
+        cached = ckpt.cached_share()
+        infos = dict(ckpt.tensors)
+        self.sharing.decide(ckpt)
+        tensors = {name: (shape_of(info), dtype_of(info)) for name, info in infos.items()}
+        probe = (probe_model(self.model, tensors, self.load_weights) if ckpt.config.plan_per_rank else
+                 ProbeResult(unsupported=("plan_per_rank is false in the fastload config",)))
+        self.phases["probe"] = time.perf_counter() - start
+        if probe.unsupported:
+            outcome = self.read_whole(ckpt, probe.unsupported[0], len(infos))
+        else:
+            outcome = self.read_planned(ckpt, probe, infos)
         return LoadReport(rank=self.rank, world=self.world, planned=not probe.unsupported,
                           fallback_reason=probe.unsupported[0] if probe.unsupported else None,
                           loaded=outcome.loaded, bytes_read=outcome.stats.bytes_read,
-                          bytes_kept=outcome.kept, bytes_total=ckpt.checkpoint.total_bytes,
-                          backend=outcome.backend, seconds=time.perf_counter() - start, summary=outcome.summary,
+                          bytes_kept=outcome.kept, bytes_total=ckpt.total_bytes,
+                          backend=ckpt.backend, seconds=time.perf_counter() - start, summary=outcome.summary,
                           paths=outcome.paths, phases=self.phases, cached=cached, own_cached=outcome.own_cached,
-                          never_written=() if probe.unsupported else tuple(probe.never_written()))
+                          never_written=() if probe.unsupported else tuple(probe.never_written()),
+                          cpus=ckpt.config.cpus)
 
-    def open(self, config: FastloadConfig) -> FastCheckpoint:
-        return FastCheckpoint(self.path, config=config, device=self.device, show_progress=self.show_progress)
-
-    def read_whole(self, ckpt: FastCheckpoint, whole: FastloadConfig, why: str, tensors: int) -> _Outcome:
+    def read_whole(self, ckpt: FastCheckpoint, why: str, tensors: int) -> _Outcome:
         """Every tensor read in full and handed to the model's ``load_weights`` (after agreeing to
-        share nothing); with ``whole``, opened again with it where ``ckpt`` was not."""
+        share nothing), the page cache shared with the other ranks where they read alike."""
         reading = time.perf_counter()
         self.sharing.agree(None)
         logger.warning("fastload: reading every tensor in full through load_weights on rank %d: %s", self.rank, why)
-        self.decisions.note("direct_io for whole reads", whole.direct_io, configured=self.config.direct_io,
-                            world=self.world)
-        if not self.config.plan_per_rank or whole is self.config:  # opened with ``whole`` already
-            loaded, stats = self.through_model(ckpt)
-            backend = ckpt.reader.name
-        else:
-            with self.open(whole) as again:
-                loaded, stats = self.through_model(again)
-                backend = again.reader.name
+        loaded, stats = _load_through_model(self.model, ckpt, self.load_weights, self.world)
         self.phases["read"] = time.perf_counter() - reading
-        return _Outcome(loaded, None, backend, "all tensors read whole through load_weights",
-                        {"load_weights": tensors}, stats)
+        return _Outcome(loaded, None, "all tensors read whole through load_weights", {"load_weights": tensors}, stats)
 
     def read_planned(self, ckpt: FastCheckpoint, probe: ProbeResult, infos: dict[str, TensorInfo]) -> _Outcome:
         """This rank's bytes read into the parameters by its plan, the rest replayed."""
-        _check_fully_written(probe, ckpt.checkpoint.source)
+        _check_fully_written(probe, ckpt.source)
         if self.world == 1:
             _check_fully_used(probe, infos)
         planning = time.perf_counter()
@@ -164,11 +154,8 @@ class _Load:
                            replay=hooks.replay_seconds)
         if readiness is not None:
             self.phases["post"] = post
-        return _Outcome(probe.loaded_params, reads.kept_bytes, ckpt.reader.name, summary,
+        return _Outcome(probe.loaded_params, reads.kept_bytes, summary,
                         {**reads.paths(hooks.strategies), "exchange": exchanged}, stats, own_cached)
-
-    def through_model(self, ckpt: FastCheckpoint) -> tuple[frozenset[str] | None, LoadStats]:
-        return _load_through_model(self.model, ckpt, self.load_weights, self.decisions)
 
 
 @dataclass(frozen=True)
@@ -177,9 +164,8 @@ class _Outcome:
 
     loaded: frozenset[str] | None
     kept: int | None
-    backend: policy.Backend
     summary: str
-    paths: dict[str, int]
+    paths: Mapping[str, int]
     stats: LoadStats
     #: The share of the tensors the plan reads in the page cache as the reads began (planned path).
     own_cached: float | None = None
@@ -242,7 +228,7 @@ def _load_planned(ckpt: FastCheckpoint, reads: RankReads, sharing: _Sharing,
             except Exception as again:
                 logger.warning("fastload: could not tell the other ranks that this one stopped: %s", again)
         raise
-    summary = reads.summary(len(ckpt.keys()))
+    summary = reads.summary(len(ckpt.tensors))
     if swap is None:
         return summary, 0, stats
     swap.finish()
@@ -254,29 +240,27 @@ def _load_planned(ckpt: FastCheckpoint, reads: RankReads, sharing: _Sharing,
 
 
 def _load_through_model(model: nn.Module, ckpt: FastCheckpoint, load_weights: LoadWeights,
-                        decisions: policy.DecisionLog) -> tuple[frozenset[str] | None, LoadStats]:
+                        world: int) -> tuple[frozenset[str] | None, LoadStats]:
+    """Every tensor read whole and handed to the model's ``load_weights`` (read alike by the
+    ``world`` ranks, see ``FastCheckpoint.iter_tensors``); a failure in it names the tensor."""
     current: list[str] = []
-    stream = ckpt.iter_tensors()
+    stream = ckpt.iter_tensors(shared_by=world)
 
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in stream:
             current[:] = [name]
             yield name, tensor
 
-    # The model copies each tensor into its parameter: fresh parameter pages may be faulted in
-    # ahead of it on another thread, as the per-rank path does before reading into them.
-    cpus = reader_cpu_count(ckpt.config)
-    prefault = policy.prefault_whole_reads(cpus)
-    decisions.note("parameters faulted in ahead of load_weights", prefault, cpus=cpus)
     try:
-        with Prefault((p.data for p in model.parameters()), cpus=ckpt.config.cpus) if prefault \
-                else contextlib.nullcontext():
+        # The model copies each tensor into its parameter: fresh parameter pages may be faulted
+        # in ahead of it, as the per-rank path does before reading into them.
+        with ckpt.prefault(p.data for p in model.parameters()):
             loaded = load_weights(weights())
     except CheckpointError:
         raise
     except Exception as exc:
         name = current[0] if current else None
-        file = ckpt.info(name).file if name else ckpt.checkpoint.source
+        file = ckpt.info(name).file if name else ckpt.source
         raise CheckpointError(f"the model's load_weights could not load this checkpoint tensor: "
                               f"{type(exc).__name__}: {exc}", file=file, tensor=name) from exc
     return (frozenset(loaded) if loaded is not None else None), stream.stats
@@ -326,22 +310,21 @@ class _Sharing:
         self.collectives = collectives if collectives is not None and collectives.world > 1 else None
         self.pending = self.collectives is not None
         self.decisions = decisions if decisions is not None else policy.DecisionLog()
-        self.config: FastloadConfig | None = None
         self.ckpt: FastCheckpoint | None = None
-        self.infos: dict[str, TensorInfo] = {}
+        self.infos: Mapping[str, TensorInfo] = {}
 
-    def decide(self, config: FastloadConfig, ckpt: FastCheckpoint, infos: dict[str, TensorInfo]) -> None:
+    def decide(self, ckpt: FastCheckpoint) -> None:
         """What this rank will offer, once the checkpoint is open."""
-        self.config, self.ckpt, self.infos = config, ckpt, infos
+        self.ckpt, self.infos = ckpt, ckpt.tensors
 
     def offer(self, targets: Mapping[TensorRequest, torch.Tensor | None] | None) -> bool:
         """Whether this rank offers to share the row reads of ``targets``."""
-        if self.config is None or self.ckpt is None:
+        if self.ckpt is None:
             return False
-        remote = self.ckpt.checkpoint.is_remote
-        decision = policy.row_sharing(mode=self.config.row_exchange, remote=remote,
-                                      planned=self.config.plan_per_rank and targets is not None)
-        self.decisions.note("row exchange", decision, setting=self.config.row_exchange, remote=remote)
+        config, remote = self.ckpt.config, self.ckpt.is_remote
+        decision = policy.row_sharing(mode=config.row_exchange, remote=remote,
+                                      planned=config.plan_per_rank and targets is not None)
+        self.decisions.note("row exchange", decision, setting=config.row_exchange, remote=remote)
         return decision.offered
 
     def agree(self, targets: Mapping[TensorRequest, torch.Tensor] | None) -> exchange.RowExchange | None:
@@ -397,13 +380,6 @@ def _check_fully_used(probe: ProbeResult, infos: Mapping[str, TensorInfo]) -> No
                 f"checkpoint tensor has shape {list(info.shape)} but the model takes only {used} of its "
                 f"{info.numel} elements (into {placements[0].parameter} {shapes}): the checkpoint does not "
                 "match the model", file=info.file, tensor=name)
-
-
-def whole_reads_config(config: FastloadConfig, world: int) -> FastloadConfig:
-    """The config for reading every tensor whole on every rank (``policy.whole_reads_direct_io``):
-    ``config`` itself where that changes nothing."""
-    direct_io = policy.whole_reads_direct_io(config.direct_io, world=world)
-    return config if direct_io == config.direct_io else config.model_copy(update={"direct_io": direct_io})
 
 
 def model_device(model: nn.Module) -> torch.device:

@@ -45,7 +45,7 @@ class RankReads:
 
     infos: Mapping[str, TensorInfo]
     #: checkpoint tensor -> the writes the probe recorded from it on this rank.
-    writes: Mapping[str, Sequence[Placement]]
+    writes: Mapping[str, tuple[Placement, ...]]
     #: Read straight into the parameter region (or copied into it from a buffer).
     targets: Mapping[TensorRequest, torch.Tensor]
     #: Read into buffers; the writes in ``replays[key]`` are replayed from each.

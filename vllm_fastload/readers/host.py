@@ -1,7 +1,7 @@
 """``host``: threaded reads straight into host memory (the GIL is released during reads).
 
-How each chunk is read is ``policy.chunk_read``'s decision, from probes of the page cache that
-this module makes (``cached_calls``, ``_has_holes``) and whether the file opens with O_DIRECT;
+How each chunk is read is ``policy.chunk_read``'s decision, from probes of the page cache
+(``pagecache.cached_calls``, ``pagecache.has_holes``) and whether the file opens with O_DIRECT;
 in short:
 - cached: ``preadv`` copies out of the page cache (row slices: a strided copy out of a mapping of
   the file, see ``mapped``), on no more threads than CPUs (it is CPU work);
@@ -9,7 +9,8 @@ in short:
   destination (see ``direct``), on every thread (they wait on the disk). Where O_DIRECT does
   not work, buffered reads with ``POSIX_FADV_WILLNEED`` advice instead.
 
-Buffers are anonymous mappings (transparent huge pages only with ``hugepages``). The executor
+Buffers are anonymous mappings (``memory.allocate_host``; transparent huge pages only with
+``hugepages``). The executor
 reuses buffers, so most reads land in memory that is already touched; memory that is not (a vLLM
 parameter read into directly) is faulted in first by ``memory.populate``.
 """
@@ -27,45 +28,22 @@ from typing import Any
 
 import torch
 
-from vllm_fastload import policy
-from vllm_fastload.config import FastloadConfig, reader_cpu_count
+from vllm_fastload import machine, policy
+from vllm_fastload.config import FastloadConfig
 from vllm_fastload.format import SafetensorsFile
 from vllm_fastload.plan import ByteRange, Rows
 from vllm_fastload.policy import ChunkRead, MapChunk
-from vllm_fastload.readers import direct, mapped, pagecache, row_pages
+from vllm_fastload.readers import direct, mapped, pagecache
 from vllm_fastload.readers.base import Call, FileWindow, Pending, Reader, RowsCall
 from vllm_fastload.readers.direct import DirectFile
-from vllm_fastload.readers.memory import populate
+from vllm_fastload.readers.memory import allocate_host, populate
+from vllm_fastload.readers.pagecache import Probed, advise, advise_rows, cached_calls, has_holes, span
 from vllm_fastload.readers.remote import submit_to_source
 from vllm_fastload.readers.threads import ReaderThreads, reading, thread_pool
-from vllm_fastload.sizes import round_up
 from vllm_fastload.sources.local import IOV_MAX, pread_into, preadv_into
 from vllm_fastload.tensors import host_bytes
 
-HUGE_PAGE = 2 << 20
-#: What the page-cache probes and the advice take: read calls, or the ranges of a chunk that may
-#: be mapped instead of read.
-_Probed = Call | ByteRange
 PAGE = mmap.PAGESIZE
-
-
-def allocate_host(nbytes: int, hugepages: bool) -> torch.Tensor:
-    """A uint8 CPU tensor backed by its own anonymous mapping (freed when the tensor is).
-
-    Its length is ``nbytes`` rounded up to whole huge pages, or to whole pages below one huge
-    page (so that a small memory budget is not overrun by the rounding).
-    """
-    if nbytes == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    granule = HUGE_PAGE if nbytes >= HUGE_PAGE else mmap.PAGESIZE
-    size = round_up(nbytes, granule)
-    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hugepages and hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            region.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:
-            pass  # THP disabled: still correct, only slower to fill
-    return torch.frombuffer(region, dtype=torch.uint8)
 
 
 @dataclass(frozen=True)
@@ -144,8 +122,8 @@ class HostReader(Reader):
         if not ranges:
             return None
         fd = -1 if sf.fd is None else sf.fd
-        calls: list[_Probed] = list(ranges)
-        start, end = _span(ranges)
+        calls: list[Probed] = list(ranges)
+        start, end = span(ranges)
         facts = _MapFacts(fd, calls, start, end)
         how = policy.map_chunk(facts, map_cached=self.config.map_cached, remote=sf.fd is None,
                                direct_io=self.config.direct_io)
@@ -164,7 +142,9 @@ class HostReader(Reader):
         A window wholly in the page cache needs no read that could fail or stall, and mapping its
         pages ahead would only add to the caller's copy."""
         piece, length, first = int(self.config.read_size), window.tensor.numel(), window.first
-        if sf.fd is None or mapped.wholly_cached(sf.fd, first, first + length):
+        if sf.fd is None:
+            return None
+        if not policy.bring_in_mapped(wholly_cached=mapped.wholly_cached(sf.fd, first, first + length)):
             return None
         return Pending([self.threads().submit(mapped.populate, window.tensor, sf.path, done, min(piece, length - done),
                                               first + done) for done in range(0, length, piece)])
@@ -205,7 +185,7 @@ class HostReader(Reader):
     @functools.cached_property
     def _copier_count(self) -> int:
         """Threads that copy out of the page cache (``policy.copier_count``)."""
-        cpus = reader_cpu_count(self.config)
+        cpus = machine.cpu_count(self.config.cpus)
         count = policy.copier_count(self.config.threads, cpus)
         self.decisions.note("copier threads", count, threads=self.config.threads, cpus=cpus)
         return count
@@ -252,7 +232,7 @@ class _ChunkFacts:
 
     @property
     def holes(self) -> bool:
-        return self._probe("holes", lambda fd: _has_holes(fd, self._calls))
+        return self._probe("holes", lambda fd: has_holes(fd, self._calls))
 
     @property
     def direct_ok(self) -> bool:
@@ -272,7 +252,7 @@ class _ChunkFacts:
 class _MapFacts:
     """What ``policy.map_chunk`` may ask of a chunk, each probed on first access."""
 
-    def __init__(self, fd: int, calls: Sequence[_Probed], start: int, end: int) -> None:
+    def __init__(self, fd: int, calls: Sequence[Probed], start: int, end: int) -> None:
         self._fd, self._calls, self._start, self._end = fd, calls, start, end
         self._known: dict[str, object] = {}
 
@@ -298,63 +278,6 @@ def _bounce_size(config: FastloadConfig) -> int:
     return policy.bounce_size(direct_io=config.direct_io, memory_budget=int(config.memory_budget),
                               threads=config.threads, read_size=int(config.read_size),
                               max_alignment=max(direct.ALIGNMENTS))
-
-
-def _ranges(calls: Sequence[_Probed]) -> list[ByteRange]:
-    return [ByteRange(c.rows.offset, c.rows.span) if isinstance(c, RowsCall) else ByteRange(c.offset, c.length)
-            for c in calls]
-
-
-def _span(ranges: Sequence[ByteRange]) -> tuple[int, int]:
-    """The bytes ``[lo, hi)`` from the first range's start to the last one's end."""
-    return min(offset for offset, _ in ranges), max(offset + length for offset, length in ranges)
-
-
-def cached_calls(fd: int, calls: Sequence[_Probed]) -> bool:
-    """Whether the chunk is (as far as a cheap probe can tell) in the page cache: its first,
-    middle and last byte can be read without waiting."""
-    if not calls:
-        return True
-    lo, hi = _span(_ranges(calls))
-    return hi <= lo or _cached(fd, (lo, (lo + hi) // 2, hi - 1))
-
-
-def _has_holes(fd: int, calls: Sequence[_Probed]) -> bool:
-    """Whether pages of a chunk that probed as cached are missing from the page cache (as a host
-    that reclaims idle page cache leaves a checkpoint read into it earlier)."""
-    if not calls:
-        return False
-    lo, hi = _span(_ranges(calls))
-    if not policy.sample_for_holes(span=hi - lo, page=pagecache.PAGE):
-        return False
-    share = pagecache.cached_share(fd, lo, hi, samples=policy.HOLE_SAMPLES)
-    return share is not None and share < 1.0
-
-
-def advise(fd: int, calls: Sequence[_Probed]) -> None:
-    """Tell the kernel to start reading these ranges now (``POSIX_FADV_WILLNEED``), for files
-    read through the page cache.
-
-    The executor submits chunks ahead of the threads reaching them, so on a cold cache the
-    disk works on later chunks while threads copy earlier ones: I/O depth without more
-    threads (more threads cost warm-cache speed on few cores).
-    """
-    if not calls or not hasattr(os, "posix_fadvise"):
-        return
-    ranges = _ranges(calls)
-    lo, hi = _span(ranges)
-    needed = sum(length for _, length in ranges)
-    spans = [ByteRange(lo, hi - lo)] if policy.advise_whole_span(span=hi - lo, needed=needed) else ranges
-    for offset, length in spans:
-        try:
-            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
-        except OSError:
-            break  # advice only
-
-
-def _cached(fd: int, offsets: Sequence[int]) -> bool:
-    """Whether the pages at these offsets are in the page cache (see ``pagecache``)."""
-    return pagecache.is_cached(fd, offsets)
 
 
 def _populate_batch(dests: list[torch.Tensor]) -> None:
@@ -411,22 +334,6 @@ def _read_batch_direct(opened: DirectFile, bounce_size: int, fd: int, path: str,
     finally:
         batch.clear()  # see _read_batch
         call = None
-
-
-def advise_rows(fd: int, rows: Rows, ahead: bool = False) -> None:
-    """``WILLNEED`` for the pages that hold the segments (runs of touching pages merged), so the
-    disk reads those pages and neither the gaps' whole pages nor read-ahead past the slice.
-
-    ``ahead`` (advice given when the chunk is submitted): only the pages this rank owns, so that
-    ranks reading other parts of the same rows split the shared pages' disk reads (see
-    ``row_pages``); right before the read, the advice for all its pages fetches what is left."""
-    if not hasattr(os, "posix_fadvise"):
-        return
-    for offset, length in (row_pages.owned_spans(rows) if ahead else row_pages.touched_spans(rows)):
-        try:
-            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
-        except OSError:
-            return  # advice only
 
 
 _scratch = threading.local()

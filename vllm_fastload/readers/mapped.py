@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm_fastload import machine, policy
 from vllm_fastload.errors import ReadError
 from vllm_fastload.libc import MAP_FAILED, keeping_gil, releasing_gil
 from vllm_fastload.plan import Rows
@@ -45,7 +46,6 @@ from vllm_fastload.readers import pagecache
 from vllm_fastload.readers.base import FileWindow
 from vllm_fastload.readers.memory import MADV_POPULATE_READ
 from vllm_fastload.readers.threads import reading
-from vllm_fastload.sources.fstype import filesystem_type, is_network
 
 
 def copy_rows(fd: int, path: str, rows: Rows, view: memoryview) -> bool:
@@ -74,7 +74,8 @@ def copy_rows(fd: int, path: str, rows: Rows, view: memoryview) -> bool:
             mapping.madvise(mmap.MADV_RANDOM)
         except (OSError, AttributeError):
             pass
-        if not wholly_cached(fd, rows.offset, end) and not _populated(_address(mapping), end - start):
+        if (policy.bring_in_mapped(wholly_cached=wholly_cached(fd, rows.offset, end))
+                and not _populated(_address(mapping), end - start)):
             return False
         _strided_copy(mapping, rows.offset - start, rows, view)
     finally:
@@ -93,7 +94,7 @@ def _address(mapping: mmap.mmap) -> int:
 
 @functools.lru_cache(maxsize=256)
 def _local(path: str) -> bool:
-    return not is_network(filesystem_type(path))
+    return not machine.is_network(machine.filesystem_type(path))
 
 
 def _strided_copy(mapping: mmap.mmap, first: int, rows: Rows, view: memoryview) -> None:
@@ -112,14 +113,10 @@ def _strided_copy(mapping: mmap.mmap, first: int, rows: Rows, view: memoryview) 
         whole = source = packed = None
 
 
-#: Pages sampled to tell whether a range is wholly in the page cache (see ``wholly_cached``).
-CACHE_SAMPLES = 64
-
-
 def wholly_cached(fd: int, start: int, end: int) -> bool:
-    """Whether a sample of the range's pages finds every one in the page cache: then copying out of
-    a mapping of it reads nothing from the disk, and nothing needs bringing in first."""
-    return pagecache.cached_share(fd, start, end, samples=CACHE_SAMPLES) == 1.0
+    """Whether a sample of the range's pages (``policy.HOLE_SAMPLES``) finds every one in the page
+    cache: then copying out of a mapping of it reads nothing from the disk."""
+    return pagecache.cached_share(fd, start, end, samples=policy.HOLE_SAMPLES) == 1.0
 
 
 def _populated(address: int, length: int) -> bool:

@@ -1,4 +1,5 @@
-"""Fault in fresh destination memory in one call before reading into it.
+"""Host memory for reads: buffers of their own mappings, and fresh destination memory faulted in
+with one call before reading into it.
 
 A read into memory nobody has touched yet takes a page fault per 4 KiB page inside the read,
 which in a VM can cost more than the copy itself; one ``madvise(MADV_POPULATE_WRITE)`` call
@@ -14,7 +15,7 @@ import ctypes
 import errno
 import mmap
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from types import TracebackType
 
 import torch
@@ -25,8 +26,28 @@ from vllm_fastload.readers.threads import run_on
 from vllm_fastload.sizes import round_up
 
 PAGE = mmap.PAGESIZE
+HUGE_PAGE = 2 << 20
 MADV_POPULATE_READ = 22
 MADV_POPULATE_WRITE = 23
+
+def allocate_host(nbytes: int, hugepages: bool) -> torch.Tensor:
+    """A uint8 CPU tensor backed by its own anonymous mapping (freed when the tensor is).
+
+    Its length is ``nbytes`` rounded up to whole huge pages, or to whole pages below one huge
+    page (so that a small memory budget is not overrun by the rounding).
+    """
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    granule = HUGE_PAGE if nbytes >= HUGE_PAGE else mmap.PAGESIZE
+    size = round_up(nbytes, granule)
+    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hugepages and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            region.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass  # THP disabled: still correct, only slower to fill
+    return torch.frombuffer(region, dtype=torch.uint8)
+
 
 #: False once the kernel refused MADV_POPULATE_WRITE (older than 5.14): not asked again.
 _supported = True
@@ -76,7 +97,7 @@ class Prefault:
     resident memory). Host memory only; other tensors are passed over.
     """
 
-    def __init__(self, tensors: Iterable[torch.Tensor], cpus: list[int] | None = None) -> None:
+    def __init__(self, tensors: Iterable[torch.Tensor], cpus: Sequence[int] | None = None) -> None:
         self._cpus = cpus
         self._tensors = [t for t in tensors if t.device.type == "cpu" and t.is_contiguous() and t.numel()]
         self._stop = threading.Event()

@@ -23,11 +23,10 @@ import mmap
 
 import numpy as np
 
+from vllm_fastload import policy
 from vllm_fastload.plan import ByteRange, Rows
 
 PAGE = mmap.PAGESIZE
-#: Shared pages are owned in blocks of this many bytes.
-BLOCK = 64 << 10
 #: 2**64 / golden ratio: ``block * _HASH`` (mod 2**64) over 2**64 is the fractional part of
 #: block / golden ratio, a sequence that spreads consecutive blocks' positions evenly.
 _HASH = np.uint64(0x9E3779B97F4A7C15)
@@ -52,7 +51,7 @@ def owned_spans(rows: Rows) -> list[ByteRange]:
         return [ByteRange(rows.offset, rows.span)]
     base, touched, whole = _pages(rows)
     pages = base + np.arange(len(touched), dtype=np.int64)
-    blocks = (pages * PAGE // BLOCK).astype(np.uint64)
+    blocks = (pages * PAGE // policy.SHARED_PAGE_BLOCK).astype(np.uint64)
     position = ((blocks * _HASH) >> np.uint64(11)).astype(np.float64) / 2.0 ** 53 * rows.stride
     mine = (position >= rows.lead) & (position < rows.lead + rows.seg)
     return _runs(base, whole | (touched & mine))

@@ -25,7 +25,8 @@ from vllm_fastload import policy
 from vllm_fastload.config import FastloadConfig
 from vllm_fastload.format import SafetensorsFile
 from vllm_fastload.readers.base import Call, Reader, RowsCall
-from vllm_fastload.readers.host import advise_rows, cached_calls, read_rows
+from vllm_fastload.readers.host import read_rows
+from vllm_fastload.readers.pagecache import advise_rows, cached_calls
 from vllm_fastload.sources.base import RangeInto
 from vllm_fastload.sources.local import pread_into
 from vllm_fastload.tensors import host_bytes

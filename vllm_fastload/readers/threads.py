@@ -21,7 +21,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Any
@@ -143,12 +143,12 @@ def _run(future: Future[Any], fn: Callable[..., Any], args: tuple[Any, ...]) -> 
         _stuck.discard(ident)
 
 
-def thread_pool(threads: int, name: str, cpus: list[int] | None) -> ReaderThreads:
+def thread_pool(threads: int, name: str, cpus: Sequence[int] | None) -> ReaderThreads:
     """A pool whose threads run on ``cpus`` (None: wherever the creating thread may run)."""
     return ReaderThreads(threads, name, initializer=(lambda: run_on(cpus)) if cpus else None)
 
 
-def run_on(cpus: list[int] | None) -> None:
+def run_on(cpus: Sequence[int] | None) -> None:
     """Moves the calling thread (only it) onto ``cpus``; None: leaves it where it is."""
     if not cpus:
         return

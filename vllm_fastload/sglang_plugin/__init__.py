@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from vllm_fastload.model import early
+    from vllm_fastload.model import EarlyStart
 
 LOAD_FORMAT = "fastload"
 _registered = False
@@ -49,26 +49,24 @@ def _loader_class() -> type:
 
 
 def _start_early_reads(server_args: Any) -> None:
-    """Early reads (``model.early``) from the first process that resolves SGLang's arguments (the
-    launcher). This runs after every ``resolve_once`` in every process (``compat.on_server_args``);
-    ``early.start``'s environment guard makes the later calls, the schedulers' among them, read nothing."""
-    from vllm_fastload.model import early
+    """Early reads (``vllm_fastload.early``) from the first process that resolves SGLang's arguments
+    (the launcher). This runs after every ``resolve_once`` in every process (``compat.on_server_args``);
+    the early reads' environment guard makes the later calls, the schedulers' among them, read nothing."""
+    from vllm_fastload.model import start_early_reads
 
-    early.start("SGLang", lambda: _early_settings(server_args))
+    start_early_reads("SGLang", lambda: _early_settings(server_args))
 
 
-def _early_settings(server_args: Any) -> early.Start:
+def _early_settings(server_args: Any) -> EarlyStart:
     import json
 
-    from vllm_fastload import policy
-    from vllm_fastload.model import early
+    from vllm_fastload.model import EarlyStart
     from vllm_fastload.sglang_plugin import compat
 
     extra = server_args.model_loader_extra_config or {}
     # SGLang's start-up keeps every core busy until the load (its scheduler and detokenizer
     # processes start together, each rank's threads bound to all the cores it has): on idle CPU
     # time alone the reads would not finish before it.
-    return early.Start(path=str(server_args.model_path), extra=json.loads(extra) if isinstance(extra, str) else extra,
-                       local_ranks=compat.local_ranks(server_args), revision=getattr(server_args, "revision", None),
-                       download_dir=getattr(server_args, "download_dir", None),
-                       starved_s=policy.EARLY_READS_STARVED_S)
+    return EarlyStart(path=str(server_args.model_path), extra=json.loads(extra) if isinstance(extra, str) else extra,
+                      local_ranks=compat.local_ranks(server_args), revision=getattr(server_args, "revision", None),
+                      download_dir=getattr(server_args, "download_dir", None), idle_cpu=False)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vllm_fastload.events import missing_targets
+from vllm_fastload.model import missing_targets
 
 #: The adapter's logger, under the package's (SGLang shows the root's handlers, so it needs no routing).
 logger = logging.getLogger("vllm_fastload.sglang_plugin")
@@ -132,7 +132,7 @@ def on_server_args(name: str, callback: Callable[[Any], None]) -> None:
     the model, and every process that publishes the arguments (each scheduler, as it starts) calls
     ``resolve_once`` again on the record it was handed, already resolved; the hook runs after each
     call, in every process. The callback must therefore decide for itself whether it has work left
-    (early reads: ``model.early``'s environment guard, which the launcher sets before it starts the
+    (early reads: ``early.decide``'s environment guard, which the launcher sets before it starts the
     schedulers and they inherit), and must not raise."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -175,7 +175,7 @@ def weights_loader(model: nn.Module) -> Callable[[Iterable[tuple[str, torch.Tens
     (a pass-through elsewhere), then ``model.load_weights``. (GPU memory bookkeeping left out.)"""
     from sglang.srt.kernel_plugins.amd.binding import monokernel_weights_iterator
 
-    from vllm_fastload.model.probe import own_load_weights
+    from vllm_fastload.model import own_load_weights
 
     def load_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Any:
         quant_config = getattr(model, "quant_config", None)

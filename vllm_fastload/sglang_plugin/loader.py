@@ -17,14 +17,9 @@ import torch
 from sglang.srt.model_loader.loader import BaseModelLoader
 from torch import nn
 
-from vllm_fastload import exchange
-from vllm_fastload.errors import CheckpointError
-from vllm_fastload.model import early
-from vllm_fastload.model.options import loader_config
-from vllm_fastload.model.rank import load_rank, model_device
-from vllm_fastload.model.report import LoadReport
+from vllm_fastload import CheckpointError, LoadReport, is_remote
+from vllm_fastload.model import Collectives, load_rank, loader_config, loading, model_device
 from vllm_fastload.sglang_plugin import compat
-from vllm_fastload.sources import is_remote
 
 logger = logging.getLogger("vllm_fastload.sglang_plugin")
 
@@ -37,7 +32,7 @@ class FastloadModelLoader(BaseModelLoader):
         super().__init__(load_config)
         # Env first, then --model-loader-extra-config on top; unknown keys stop start-up here.
         self.config = loader_config(load_config.model_loader_extra_config, "SGLang")
-        if "post_per_layer" in self.config.model_fields_set and self.config.post_per_layer:
+        if self.config.is_set("post_per_layer") and self.config.post_per_layer:
             logger.warning("fastload: post_per_layer applies to vLLM only; SGLang post-processes after the load")
         #: What the last load did on this rank (also logged): for tests and ``verify``.
         self.report: LoadReport | None = None
@@ -62,7 +57,7 @@ class FastloadModelLoader(BaseModelLoader):
     def load_weights(self, model: nn.Module, model_config: Any) -> None:
         """Fill ``model``'s parameters from the checkpoint, as SGLang's default loader's
         ``load_weights_only`` would, without post-processing them."""
-        with early.loading():  # early reads stop as this rank's load begins
+        with loading():  # early reads stop as this rank's load begins
             self._load_weights(model, model_config)
 
     # -- helpers ----------------------------------------------------------------------------
@@ -76,7 +71,7 @@ class FastloadModelLoader(BaseModelLoader):
             self.report = LoadReport.left_to_engine(rank, world, why)
             return
         path = self._checkpoint_dir(model_config)
-        collectives = exchange.Collectives(tp.cpu_group, rank, world) if tp is not None and world > 1 else None
+        collectives = Collectives(tp.cpu_group, rank, world) if tp is not None and world > 1 else None
         report = load_rank(model, path, self.config, device=model_device(model), rank=rank, world=world,
                            collectives=collectives, show_progress=self.config.progress and rank == 0,
                            load_weights=compat.weights_loader(model))

@@ -460,13 +460,13 @@ def _writable(view: memoryview | bytearray) -> memoryview:
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
-@dataclass
+@dataclass(frozen=True)
 class Request:
     """One ranged GET ``[start, end)`` and where its pieces go."""
 
     start: int
     end: int
-    parts: list[RangeInto]
+    parts: tuple[RangeInto, ...]
 
 
 def coalesce(ranges: Sequence[RangeInto], gap: int, request_size: int) -> list[Request]:
@@ -477,14 +477,14 @@ def coalesce(ranges: Sequence[RangeInto], gap: int, request_size: int) -> list[R
         for done in range(0, len(view), request_size):
             pieces.append(RangeInto(offset + done, view[done:done + request_size]))
     pieces.sort(key=lambda p: p[0])
-    requests: list[Request] = []
+    spans: list[tuple[int, int, list[RangeInto]]] = []  # (start, end, parts) as they grow
     for offset, view in pieces:
         end = offset + len(view)
-        last = requests[-1] if requests else None
-        if last is not None and offset - last.end <= gap and offset >= last.start \
-                and max(end, last.end) - last.start <= request_size:
-            last.end = max(last.end, end)
-            last.parts.append(RangeInto(offset, view))
+        if spans and offset - spans[-1][1] <= gap and offset >= spans[-1][0] \
+                and max(end, spans[-1][1]) - spans[-1][0] <= request_size:
+            start, last_end, parts = spans[-1]
+            parts.append(RangeInto(offset, view))
+            spans[-1] = (start, max(last_end, end), parts)
         else:
-            requests.append(Request(offset, end, [RangeInto(offset, view)]))
-    return requests
+            spans.append((offset, end, [RangeInto(offset, view)]))
+    return [Request(start, end, tuple(parts)) for start, end, parts in spans]

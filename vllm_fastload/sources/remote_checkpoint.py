@@ -8,11 +8,12 @@ Each header arrives in one GET that also pins its object (``object_store.Store.o
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from vllm_fastload.errors import MissingFileError
 from vllm_fastload.format import INDEX_NAME, SafetensorsFile, header_length, parse_file, parse_weight_map
+from vllm_fastload.frozen import FrozenMap
 from vllm_fastload.sizes import ceil_div
 from vllm_fastload.sources.object_store import Store
 from vllm_fastload.sources.uri import ObjectURI
@@ -53,9 +54,13 @@ class RemoteLayout:
     """What ``discover`` found: the shards to open and, if there is one, the index's weight map."""
 
     root: ObjectURI
-    keys: list[str]
+    keys: tuple[str, ...]
     index_key: str | None = None
-    weight_map: dict[str, str] | None = None
+    weight_map: Mapping[str, str] | None = None
+
+    def __post_init__(self) -> None:
+        if self.weight_map is not None:
+            object.__setattr__(self, "weight_map", FrozenMap(self.weight_map))
 
 
 def discover(store: Store, root: ObjectURI) -> RemoteLayout:
@@ -71,7 +76,7 @@ def discover(store: Store, root: ObjectURI) -> RemoteLayout:
 
 async def _discover(store: Store, root: ObjectURI) -> RemoteLayout:
     if root.key.endswith(".safetensors"):
-        return RemoteLayout(root, [root.key])
+        return RemoteLayout(root, (root.key,))
     if root.family == "http":
         return await _discover_unlisted(store, root)
     # The usual index is asked for together with the listing: one round trip fewer to open.
@@ -94,7 +99,7 @@ async def _discover(store: Store, root: ObjectURI) -> RemoteLayout:
     shards = sorted(n for n in names if n.endswith(".safetensors"))
     if not shards:
         raise MissingFileError("no *.safetensors objects below this prefix", file=root.uri)
-    return RemoteLayout(root, [root.child(n).key for n in shards])
+    return RemoteLayout(root, tuple(root.child(n).key for n in shards))
 
 
 def _check_listed(store: Store, root: ObjectURI, index: str, layout: RemoteLayout, listed: set[str]) -> None:
@@ -111,7 +116,7 @@ async def _from_index(store: Store, root: ObjectURI, index: str) -> RemoteLayout
     key = root.child(index).key
     weight_map = parse_weight_map(store.uri_of(key), await store.get_all(key))
     files = list(dict.fromkeys(weight_map.values()))
-    return RemoteLayout(root, [root.child(f).key for f in files], key, weight_map)
+    return RemoteLayout(root, tuple(root.child(f).key for f in files), key, weight_map)
 
 
 async def _discover_unlisted(store: Store, root: ObjectURI) -> RemoteLayout:
@@ -126,4 +131,4 @@ async def _discover_unlisted(store: Store, root: ObjectURI) -> RemoteLayout:
         raise MissingFileError(f"neither {INDEX_NAME} nor model.safetensors below this URL (an HTTP server "
                                "cannot be listed: name a .safetensors object or provide an index)",
                                file=root.uri) from None
-    return RemoteLayout(root, [single.key])
+    return RemoteLayout(root, (single.key,))

@@ -45,7 +45,7 @@ def register() -> None:
 
 
 def _is_object_uri(weights: object) -> bool:
-    from vllm_fastload.sources import is_remote
+    from vllm_fastload import is_remote
 
     return isinstance(weights, str) and is_remote(weights)
 

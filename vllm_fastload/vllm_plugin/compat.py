@@ -20,7 +20,7 @@ from typing import Any
 
 from torch import nn
 
-from vllm_fastload.events import missing_targets
+from vllm_fastload.model import missing_targets
 
 #: The adapter's logger, under the package's (see ``vllm_plugin``: shown in vLLM's log).
 logger = logging.getLogger("vllm_fastload.vllm_plugin")

@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 
 
-def reader_cpus() -> list[int] | None:
+def reader_cpus() -> tuple[int, ...] | None:
     """CPUs for this rank's reader threads; None: where the main thread may run will do."""
     try:
         main = os.sched_getaffinity(0)
@@ -29,7 +29,7 @@ def reader_cpus() -> list[int] | None:
     if not own >= engine:  # a worker process of its own: add the free CPUs beside it
         nodes = {_node(c) for c in own}
         cpus |= {c for c in engine if _node(c) in nodes} - own - _bound_by_user()
-    return sorted(cpus) if cpus != main else None
+    return tuple(sorted(cpus)) if cpus != main else None
 
 
 def _bound_by_user() -> set[int]:

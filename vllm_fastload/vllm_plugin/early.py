@@ -1,4 +1,4 @@
-"""Early reads while vLLM starts (the mechanism, engine-independent, is ``model.early``).
+"""Early reads while vLLM starts (the mechanism, engine-independent, is ``vllm_fastload.early``).
 
 vLLM verifies its config (``VllmConfig.try_verify_and_update_config``) in the API server's or
 ``LLM(...)``'s process long before the workers load weights: ``start`` is called there
@@ -14,21 +14,17 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from vllm_fastload.model import early
-from vllm_fastload.model.early import files_to_read
-from vllm_fastload.model.node_share import NodeLayout, RankHolding
-
-__all__ = ["files_to_read", "start"]
+from vllm_fastload.model import EarlyStart, NodeLayout, RankHolding, start_early_reads
 
 logger = logging.getLogger("vllm_fastload.vllm_plugin")
 
 
 def start(vllm_config: Any) -> None:
     """Read the checkpoint of ``vllm_config`` into the page cache, once per path in a process tree."""
-    early.start("vLLM", lambda: _settings(vllm_config))
+    start_early_reads("vLLM", lambda: _settings(vllm_config))
 
 
-def _settings(vllm_config: Any) -> early.Start:
+def _settings(vllm_config: Any) -> EarlyStart:
     model_config, load_config = vllm_config.model_config, vllm_config.load_config
     nodes = _nodes(vllm_config.parallel_config)
     layout = None
@@ -38,10 +34,10 @@ def _settings(vllm_config: Any) -> early.Start:
         except Exception as exc:  # a vLLM laid out differently: every file, as on one node
             logger.info("fastload: early reads cannot tell what this node's ranks hold (%s: %s)",
                         type(exc).__name__, exc)
-    return early.Start(path=getattr(model_config, "model_weights", "") or model_config.model,
-                       extra=getattr(load_config, "model_loader_extra_config", None) or {},
-                       local_ranks=_local_ranks(vllm_config), revision=getattr(model_config, "revision", None),
-                       download_dir=getattr(load_config, "download_dir", None), nodes=nodes, layout=layout)
+    return EarlyStart(path=getattr(model_config, "model_weights", "") or model_config.model,
+                      extra=getattr(load_config, "model_loader_extra_config", None) or {},
+                      local_ranks=_local_ranks(vllm_config), revision=getattr(model_config, "revision", None),
+                      download_dir=getattr(load_config, "download_dir", None), nodes=nodes, layout=layout)
 
 
 def _local_ranks(vllm_config: Any) -> int:

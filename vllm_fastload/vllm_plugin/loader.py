@@ -18,14 +18,8 @@ from vllm.config import ModelConfig, VllmConfig
 from vllm.config.load import LoadConfig
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
-from vllm_fastload import exchange, policy
-from vllm_fastload.config import FastloadConfig
-from vllm_fastload.errors import CheckpointError
-from vllm_fastload.model import early
-from vllm_fastload.model.options import loader_config
-from vllm_fastload.model.rank import load_rank, model_device
-from vllm_fastload.model.report import LoadReport
-from vllm_fastload.sources import is_remote
+from vllm_fastload import CheckpointError, LoadReport, is_remote
+from vllm_fastload.model import Collectives, load_rank, loader_config, loading, model_device
 from vllm_fastload.vllm_plugin import compat, model_hooks
 from vllm_fastload.vllm_plugin.cpus import reader_cpus
 from vllm_fastload.vllm_plugin.post import LayerPostProcessor
@@ -54,12 +48,12 @@ class FastloadModelLoader(BaseModelLoader):
         #: its own, e.g. by a weight reload, which post-processes in its own way).
         self._post_device: torch.device | None = None
         #: Where this rank's reader threads run, while ``load_model`` runs (see ``cpus``).
-        self._cpus: list[int] | None = None
+        self._cpus: tuple[int, ...] | None = None
 
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
         load_device = vllm_config.load_config.device or vllm_config.device_config.device
         self._post_device = torch.device(load_device)
-        self._cpus = None if "cpus" in self.config.model_fields_set else reader_cpus()
+        self._cpus = None if self.config.is_set("cpus") else reader_cpus()
         try:
             return super().load_model(vllm_config, model_config, prefix=prefix)
         finally:
@@ -71,7 +65,7 @@ class FastloadModelLoader(BaseModelLoader):
         self._checkpoint_dir(model_config)  # an object URI is opened where it is, never downloaded
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
-        with early.loading():  # early reads stop as this rank's load begins
+        with loading():  # early reads stop as this rank's load begins
             self._load_weights(model, model_config)
 
     # -- helpers ----------------------------------------------------------------------------
@@ -87,30 +81,15 @@ class FastloadModelLoader(BaseModelLoader):
             return
         files = model_hooks.checkpoint_files(model, path)
         post = self._post_processor(model)
-        config = self._rank_config()
-        report = load_rank(model, path if files is None else files, config, device=model_device(model),
+        report = load_rank(model, path if files is None else files, self.config, device=model_device(model),
                            rank=rank, world=world, collectives=_tp_collectives(),
-                           show_progress=self.config.progress and rank == 0, listener=post)
-        line = report.line()
+                           show_progress=self.config.progress and rank == 0, listener=post, rank_cpus=self._cpus)
         if post is not None:
-            line += f"; {post.processed} modules post-processed as their layer completed"
             report = dataclasses.replace(report, post_processed=post.processed)
-        if config.cpus:
-            line += f"; reader threads on CPUs {','.join(map(str, config.cpus))}"
-        logger.info("%s", line)
+        logger.info("%s", report.line())
         self.report = report
         loaded = report.loaded if post is None or report.loaded is None else report.loaded | post.added
         self._check_complete(model, model_config, loaded, path)
-
-    def _rank_config(self) -> FastloadConfig:
-        """The config with this rank's reader CPUs, and as many threads as those CPUs want
-        (``policy.default_threads``) unless set."""
-        if self._cpus is None:
-            return self.config
-        update: dict[str, object] = {"cpus": self._cpus}
-        if "threads" not in self.config.model_fields_set:
-            update["threads"] = max(self.config.threads, policy.default_threads(len(self._cpus)))
-        return self.config.model_copy(update=update)
 
     def _post_processor(self, model: nn.Module) -> LayerPostProcessor | None:
         """Post-processing layer by layer (``post_per_layer``), where vLLM's pass follows this load."""
@@ -152,9 +131,9 @@ class FastloadModelLoader(BaseModelLoader):
                                   file=path) from None
 
 
-def _tp_collectives() -> exchange.Collectives | None:
+def _tp_collectives() -> Collectives | None:
     """The collectives of vLLM's tensor-parallel CPU group, if it has several ranks."""
     tp = compat.tp_group()  # None: no distributed state, a single process
     if tp is None or tp.world_size == 1:
         return None
-    return exchange.Collectives(tp.cpu_group, tp.rank_in_group, tp.world_size)
+    return Collectives(tp.cpu_group, tp.rank_in_group, tp.world_size)

@@ -19,10 +19,8 @@ from typing import Any
 
 from torch import nn
 
-from vllm_fastload.checkpoint import read_safetensors_file
-from vllm_fastload.errors import CheckpointError, MissingFileError, OutsideCheckpointError
-from vllm_fastload.format import INDEX_NAME, parse_weight_map
-from vllm_fastload.sources import is_remote
+import vllm_fastload
+from vllm_fastload import CheckpointError, MissingFileError, OutsideCheckpointError, is_remote
 from vllm_fastload.vllm_plugin import compat
 
 
@@ -51,11 +49,8 @@ def checkpoint_files(model: nn.Module, path: str) -> list[str] | None:
         if compat.default_loader_filters_overrides_by_index():
             files = _in_index(path, files)
     else:
-        from vllm_fastload.checkpoint import Checkpoint
-
-        ckpt = Checkpoint.discover(path)
-        files = sorted(ckpt.files)
-        ckpt.close()
+        with vllm_fastload.open(path) as ckpt:
+            files = sorted(ckpt.files)
     return _without_unused_shards(files, unused) if unused is not None else files
 
 
@@ -80,26 +75,18 @@ def _first_match(root: str, patterns: list[str], model: str) -> list[str]:
 def _in_index(root: str, files: list[str]) -> list[str]:
     """vLLM's rule before 0.32: an index, where there is one, must name only picked files, and
     picked files it does not name are dropped."""
-    index = os.path.join(root, INDEX_NAME)
-    if not os.path.isfile(index):
+    weight_map = vllm_fastload.read_index(root)
+    if weight_map is None:
         return files
-    with open(index, "rb") as f:
-        named = {os.path.join(root, name) for name in parse_weight_map(index, f.read()).values()}
+    named = {os.path.join(root, name) for name in weight_map.values()}
     missing = sorted(named - set(files))
     if missing:
-        raise MissingFileError(f"{INDEX_NAME} names a file the model's allow_patterns_overrides does not pick "
-                               "(as vLLM's default loader on this release, fastload stops)", file=missing[0])
+        raise MissingFileError("model.safetensors.index.json names a file the model's allow_patterns_overrides does "
+                               "not pick (as vLLM's default loader on this release, fastload stops)", file=missing[0])
     return [f for f in files if f in named]
 
 
 def _without_unused_shards(files: list[str], unused: Callable[[str], bool]) -> list[str]:
     """vLLM's rule: drop the shards whose every tensor is unused, unless that would drop them all."""
-    kept = []
-    for path in files:
-        sf = read_safetensors_file(path)
-        try:
-            if not all(unused(name) for name in sf.tensors):
-                kept.append(path)
-        finally:
-            sf.close()
+    kept = [path for path in files if not all(unused(name) for name in vllm_fastload.read_header(path).tensors)]
     return kept or files

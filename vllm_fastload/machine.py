@@ -1,8 +1,14 @@
-"""Every memory limit this process lives under, and how much is free under each.
+"""Facts about the machine a load runs on: the memory limits over this process, the filesystem a
+file lives on, the CPUs this thread may use.
 
-Page cache a process reads in is charged to its memory cgroup, so the room early reads have is the
-least of: the machine's ``MemAvailable``, and the headroom under each cgroup limit that applies. A
-limit can be set in several places:
+Read here and nowhere else, and decided on elsewhere (``policy``: e.g. ``early_reads_memory`` picks
+the limit that decides, ``filesystem_defaults`` what a network filesystem changes). Standard
+library only, importing nothing from the package but through it: the early-reads process (a bare
+``python -I -S``, ``early.child``) imports it too.
+
+**Memory.** Page cache a process reads in is charged to its memory cgroup, so the room early reads
+have is the least of: the machine's ``MemAvailable``, and the headroom under each cgroup limit that
+applies. A limit can be set in several places:
 
 - cgroup v2 (``memory.max``): on the process's own group and on each of its ancestors, found
   through the process's path in ``/proc/self/cgroup`` below the mount point; a container in its
@@ -13,14 +19,20 @@ limit can be set in several places:
   the namespace shows still appears in the group's ``memory.stat`` as
   ``hierarchical_memory_limit``.
 
-Which of them decides is ``policy.early_reads_memory``'s to say; this module only reads them.
-Standard library only, and no import from the package: the early-reads script
-(``early_reads.py``, run by a bare ``python -I -S``) loads this file by its path.
+**Filesystems.** A network filesystem answers each request after a round trip, so what is fast on
+a local disk (a page-cache probe, row-by-row reads of a column slice, few large requests) can be
+slow there. The type comes from ``/proc/mounts`` (the longest mount point that contains the file's
+real path, the rule the kernel itself uses); no system call that could hang on a dead server is
+made.
+
+**CPUs.** vLLM-CPU binds each worker to its own cores: what the calling thread may use is what
+counts, not the machine's count.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 #: At or above this, a cgroup "limit" means none (v1 writes ``PAGE_COUNTER_MAX`` pages, about 2**63).
@@ -197,3 +209,49 @@ def _stat(directory: str, key: str) -> int | None:
     except (OSError, ValueError):
         pass
     return None
+
+
+#: Filesystem types (as /proc/mounts spells them) whose reads cross a network.
+NETWORK = frozenset({
+    "nfs", "nfs4", "lustre", "ceph", "fuse.ceph", "fuse.ceph-fuse", "cifs", "smb3", "9p", "fuse.sshfs",
+    "glusterfs", "fuse.glusterfs", "beegfs", "gpfs", "fuse.gcsfuse", "fuse.s3fs", "fuse.mountpoint-s3",
+    "fuse.juicefs", "fuse.rclone", "virtiofs", "weka", "wekafs",
+})
+
+
+def filesystem_type(path: str | os.PathLike[str]) -> str:
+    """The type of the filesystem that holds ``path`` (e.g. ``ext4``, ``fuse.sshfs``, ``nfs4``);
+    ``""`` where ``/proc/mounts`` cannot be read (not Linux)."""
+    resolved = os.path.realpath(path)
+    best, fstype = "", ""
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                mount = parts[1].replace("\\040", " ")
+                inside = resolved == mount or resolved.startswith(mount.rstrip("/") + "/")
+                if inside and len(mount) >= len(best):
+                    best, fstype = mount, parts[2]
+    except OSError:
+        return ""
+    return fstype
+
+
+def is_network(fstype: str) -> bool:
+    """Whether reads on this filesystem type cross a network."""
+    return fstype in NETWORK or fstype.startswith("nfs")
+
+
+def usable_cpus() -> int:
+    """CPUs the calling thread may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 2
+
+
+def cpu_count(cpus: Sequence[int] | None) -> int:
+    """CPUs a reader's threads may run on: ``cpus`` where given, else the calling thread's."""
+    return len(cpus) if cpus else usable_cpus()

@@ -1,210 +1,57 @@
-"""Early reads: bring local checkpoint files into the page cache, in the background, while the
-engine is still starting, and keep them there until the loads that need them are done.
+"""The reading process: a bare interpreter (``python -I -S``, started by ``early.process``) that
+brings checkpoint files into the page cache and holds them until the loads are done.
 
-The reads run in a process of their own (this file, run as a script: standard library only), at
-idle CPU priority (Linux ``SCHED_IDLE``): reading early must not slow the start-up it overlaps
+It runs standard library code only, imported through the package's empty root: this module,
+``early.marks``, ``machine`` and ``policy``. It starts in milliseconds, and nothing it imports can
+race the starting process's imports or start threads.
+
+At idle CPU priority (Linux ``SCHED_IDLE``): reading early must not slow the start-up it overlaps
 with, which on a machine with few cores is CPU-bound. Where the start-up leaves no idle CPU time at
 all (SGLang's, whose processes keep every core busy until the load), idle priority starves the
 reads and they have not finished when the load begins; with ``starved_s`` the process leaves idle
 priority once it has waited that long for a CPU and reads on as a batch job (``SCHED_BATCH``: a
 fair share, never preempting the start-up's processes as it wakes). Reading costs little CPU (the
-kernel fills the pages; the process touches each once), so that share is small. A thread at idle
-priority in the starting process would share that process's GIL, and a starved thread holding the GIL stops every other
-thread with it: the process that starts vLLM would wait on the idle CPU time it gave away. The
-starting process keeps one thread that waits on the reading process's log lines (relayed to its
-logger) and its end.
+kernel fills the pages; the process touches each once), so that share is small.
 
-Each file is mapped and populated 16 MiB at a time (``madvise(MADV_POPULATE_READ)``: the kernel
-reads the pages in, nothing is copied into the process), and each page is touched once (see
-``_Mapping``); ``posix_fadvise(WILLNEED)`` alone reads only a few percent of a large file. Reading
-stops as soon as a load begins (it reads the rest itself). The mappings stay until the loads have
-ended (``LoadMarks``; or ``hold_s`` runs out, memory runs low, or the starting process ends),
-because proactive reclaim of idle page cache (DAMON-based reclaim, for one) takes only pages
-that no process maps: read and dropped, a checkpoint could be partly gone before the
-workers ask for it. Mapped pages are still page cache, which memory pressure can reclaim (after
-unmapped page cache); they show in the reading process's RSS while held. Where the kernel lacks
-``MADV_POPULATE_READ`` (before Linux 5.14) each chunk is read through one small reused buffer
-instead, and nothing is held. A file that cannot be read is skipped: the loader reads it at load
-time and reports what is wrong. The caller bounds it by memory: the files are read only if they
-fit in a share of the memory free under the lowest memory limit now (``memory_limits``,
-``policy.early_reads_memory``).
+Each file is mapped and populated ``policy.EARLY_READS_CHUNK`` bytes at a time
+(``madvise(MADV_POPULATE_READ)``: the kernel reads the pages in, nothing is copied into the
+process), and each page is touched once (see ``_Mapping``); ``posix_fadvise(WILLNEED)`` alone reads
+only a few percent of a large file. Reading stops as soon as a load begins (it reads the rest
+itself). The mappings stay until the loads have ended (``marks.LoadMarks``; or ``hold_s`` runs out,
+memory runs low, or the starting process ends), because proactive reclaim of idle page cache
+(DAMON-based reclaim, for one) takes only pages that no process maps: read and dropped, a
+checkpoint could be partly gone before the workers ask for it. Mapped pages are still page cache,
+which memory pressure can reclaim (after unmapped page cache); they show in the reading process's
+RSS while held. Where the kernel lacks ``MADV_POPULATE_READ`` (before Linux 5.14) each chunk is
+read through one small reused buffer instead, and nothing is held. A file that cannot be read is
+skipped: the loader reads it at load time and reports what is wrong.
 
-A file is read whole, or only some byte ranges of it (``FileRanges``: on a start over several
-nodes, the part of the checkpoint this node's ranks hold; ``coalesce`` merges ranges that lie
-close). Ranges are read exactly, widened only to whole pages (see ``_Mapping``).
+A file is read whole, or only some byte ranges of it (a node's share on a start over several
+nodes), exactly, widened only to whole pages (see ``_Mapping``).
 """
 
 from __future__ import annotations
 
-import atexit
 import errno
 import json
-import logging
 import mmap
 import os
-import shutil
 import signal
-import subprocess
 import sys
-import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
-from types import ModuleType
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from vllm_fastload import machine, policy
+from vllm_fastload.early.marks import LoadMarks
 
-def _beside(name: str) -> ModuleType:
-    """A module of this directory, by its path: run as a script (``-I -S``), this file cannot
-    import the package."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(f"_fastload_{name}", os.path.join(os.path.dirname(__file__),
-                                                                                    f"{name}.py"))
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
-    spec.loader.exec_module(module)
-    return module
-
-
-if __name__ != "__main__":
-    from vllm_fastload.sources import memory_limits
-else:
-    memory_limits = _beside("memory_limits")
-
-logger = logging.getLogger("vllm_fastload")
-
-
-@dataclass(frozen=True)
-class FileRanges:
-    """Byte ranges of one file to read early: ``spans`` of ``[start, end)``, sorted and disjoint."""
-
-    path: str
-    spans: tuple[tuple[int, int], ...]
-
-    @property
-    def nbytes(self) -> int:
-        """The bytes the spans cover."""
-        return sum(end - start for start, end in self.spans)
-
-
-def coalesce(spans: Iterable[tuple[int, int]], gap: int) -> tuple[tuple[int, int], ...]:
-    """``spans`` sorted, empty ones dropped, and those at most ``gap`` bytes apart (or overlapping)
-    merged into one."""
-    merged: list[list[int]] = []
-    for start, end in sorted(spans):
-        if end <= start:
-            continue
-        if merged and start <= merged[-1][1] + gap:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return tuple((start, end) for start, end in merged)
-
-
-def start_reading(paths: Sequence[str | FileRanges], *, limit: int, hold: LoadMarks | None = None,
-                  hold_s: float = 0.0, starved_s: float | None = None) -> ReadingProcess | None:
-    """Start reading ``paths`` (each a whole file, or some ranges of one) into the page cache in a
-    process of its own, if together they fit in ``limit`` bytes; None (and nothing done) otherwise.
-
-    With ``hold``, the process stops reading when a load begins, and keeps the files mapped until
-    every load it expects has ended (looked for every ``POLL_S``), ``hold_s`` seconds have passed
-    since the reads ended, memory runs low, or this process ends (its exit ends the reading process
-    too); then it unmaps them, removes the marks and ends.
-
-    The process reads at idle CPU priority; with ``starved_s``, once it has waited that many seconds
-    for a CPU (the CPUs have no idle time), as a batch job instead (see the module's docstring)."""
-    files = [p.path if isinstance(p, FileRanges) else p for p in paths]
-    spans = {p.path: p.spans for p in paths if isinstance(p, FileRanges)}
-    total = sum(p.nbytes if isinstance(p, FileRanges) else os.path.getsize(p) for p in paths)
-    if total > limit:
-        what = "this node's share of the checkpoint" if spans else "the checkpoint"
-        logger.info("fastload: no early reads: %s (%.2f GB) exceeds the share of available memory "
-                    "early reads may fill (%.2f GB); it is read at load time", what, total / 1e9, limit / 1e9)
-        return None
-    if not sys.executable:
-        logger.info("fastload: no early reads: no Python interpreter to run them in (sys.executable is empty)")
-        return None
-    from vllm_fastload import policy  # here: the reading process runs this file without the package
-
-    request = {"paths": files, "spans": spans, "total": total, "hold_s": hold_s,
-               "low_memory": policy.EARLY_READS_LOW_MEMORY,
-               "main_thread": threading.current_thread() is threading.main_thread(),
-               "marks": None if hold is None else [hold.directory, hold.expected], "parent": os.getpid(),
-               "starved_s": starved_s}
-    # -I -S: no site-packages, no environment, not even this file's directory on the path: a bare
-    # interpreter that starts in milliseconds and imports only the standard library. Its output and
-    # errors come back here, to be logged; the request goes in on stdin (no limit on its length).
-    process = subprocess.Popen([sys.executable, "-I", "-S", __file__], stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, close_fds=True)
-    assert process.stdin is not None
-    with process.stdin:
-        try:
-            process.stdin.write(json.dumps(request).encode())
-        except BrokenPipeError:
-            pass  # it ended at once: its status is logged
-    reads = ReadingProcess(process, hold)
-    reads.start()
-    atexit.register(reads.end)
-    return reads
-
-
-class ReadingProcess(threading.Thread):
-    """The reading process, seen from the process that started it: a daemon thread that logs what
-    the process reports (through this process's logger) and ends when the process has ended."""
-
-    def __init__(self, process: subprocess.Popen[bytes], hold: LoadMarks | None) -> None:
-        super().__init__(name="fastload-early-reads", daemon=True)
-        self.process = process
-        self._hold = hold
-        self._ending = False
-        self._starter = os.getpid()
-
-    @property
-    def pid(self) -> int:
-        """The reading process's id."""
-        return self.process.pid
-
-    def run(self) -> None:
-        assert self.process.stdout is not None
-        with self.process.stdout:
-            for line in self.process.stdout:
-                try:
-                    message, args = json.loads(line)
-                    logger.info(message, *args)
-                except (ValueError, TypeError):  # not a report: an error the process printed
-                    logger.info("fastload: early reads: %s", line.decode(errors="replace").rstrip())
-        status = self.process.wait()
-        if status and not self._ending:
-            logger.info("fastload: early reads: the reading process ended with status %d", status)
-        if self._hold is not None:
-            self._hold.remove()
-
-    def end(self) -> None:
-        """End the reading process (the starting process is exiting: nothing will load from what
-        it holds), and remove the marks. Nothing in a process forked from the starting one, which
-        inherits its exit handlers."""
-        if os.getpid() != self._starter:
-            return
-        if self.process.poll() is None:
-            self._ending = True
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=2)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-        if self._hold is not None:
-            self._hold.remove()
-
-
-#: Bytes populated at a time (between two looks for a load that has begun).
-CHUNK = 16 << 20
 MADV_POPULATE_READ = 22  # Linux 5.14
 PR_SET_PDEATHSIG = 1
-#: Seconds between two looks for the loads' marks.
-POLL_S = 0.2
+
+
+def main() -> None:
+    """Serve the request the starting process writes on standard input."""
+    _serve(json.loads(sys.stdin.read()))
 
 
 def _serve(request: dict[str, Any]) -> None:
@@ -252,7 +99,7 @@ def _serve(request: dict[str, Any]) -> None:
             if orphaned():
                 why = "the process that started it ended"
                 break
-            time.sleep(POLL_S)
+            time.sleep(policy.EARLY_READS_POLL_S)
     except Exception as exc:  # best effort: the loader reads at load time regardless
         why = f"{type(exc).__name__}: {exc}"
     finally:
@@ -338,7 +185,7 @@ def _run_normally() -> None:
 def _memory_low(share: float) -> bool:
     """Whether less than ``share`` of some memory limit (the machine's memory, a cgroup's limit)
     is free under it."""
-    return any(limit.free < share * limit.limit for limit in memory_limits.memory_limits())
+    return any(limit.free < share * limit.limit for limit in machine.memory_limits())
 
 
 def _read_in(paths: list[str], *, hold: bool = False, stop: Callable[[], bool] | None = None,
@@ -423,14 +270,14 @@ class _FileReader:
 def _pieces(size: int, spans: Sequence[Sequence[int]] | None) -> Iterator[tuple[int, int]]:
     """``(offset, length)`` of the chunks to read of a file of ``size`` bytes: all of it, or each
     span widened to whole pages (``madvise`` takes page-aligned ranges; the kernel reads whole
-    pages anyway) and clipped to the file, in chunks of at most ``CHUNK``."""
+    pages anyway) and clipped to the file, in chunks of at most ``policy.EARLY_READS_CHUNK``."""
     page = mmap.PAGESIZE
     sections = [(0, size)] if spans is None else [
         (start // page * page, min(size, -(-end // page) * page)) for start, end in spans]
     done = 0  # sections are sorted and disjoint, but widening may make neighbours overlap
     for start, end in sections:
-        for offset in range(max(start, done), end, CHUNK):
-            yield offset, min(CHUNK, end - offset)
+        for offset in range(max(start, done), end, policy.EARLY_READS_CHUNK):
+            yield offset, min(policy.EARLY_READS_CHUNK, end - offset)
         done = max(done, end)
 
 
@@ -480,65 +327,3 @@ def _read_through(fd: int, offset: int, length: int, buffer: bytearray) -> None:
         if n <= 0:
             return
         offset += n
-
-
-#: The marks directories' names: the prefix, then the id of the process that started the reads.
-MARKS_PREFIX = "fastload-loads-"
-
-
-class LoadMarks:
-    """How the process that reads early learns when the loads it reads for begin and end: a
-    directory in which each loading process leaves a mark as its load begins and one as it ends
-    (the loads run in other processes, which inherit the directory's path)."""
-
-    def __init__(self, expected: int, *, directory: str | None = None) -> None:
-        self.expected = max(expected, 1)
-        self.directory = directory or tempfile.mkdtemp(prefix=f"{MARKS_PREFIX}{os.getpid()}-")
-
-    @staticmethod
-    def remove_stale() -> list[str]:
-        """Remove the marks directories of starts whose process is gone (killed: no exit handler
-        removed them); returns them."""
-        removed = []
-        for name in os.listdir(tempfile.gettempdir()):
-            pid = name[len(MARKS_PREFIX):].partition("-")[0]
-            if name.startswith(MARKS_PREFIX) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
-                path = os.path.join(tempfile.gettempdir(), name)
-                shutil.rmtree(path, ignore_errors=True)
-                removed.append(path)
-        return removed
-
-    def _count(self, kind: str) -> int:
-        try:
-            return sum(name.startswith(kind) for name in os.listdir(self.directory))
-        except OSError:
-            return 0
-
-    def started(self) -> bool:
-        """Whether a load has begun (True once the directory is gone)."""
-        return self._count("begun-") > 0 or not os.path.isdir(self.directory)
-
-    def done(self) -> int:
-        """How many loads have ended."""
-        return self._count("ended-")
-
-    def all_done(self) -> bool:
-        """Whether ``expected`` loads have ended (True once the directory is gone)."""
-        return self.done() >= self.expected or not os.path.isdir(self.directory)
-
-    def remove(self) -> None:
-        shutil.rmtree(self.directory, ignore_errors=True)
-
-
-def mark_load(directory: str, *, ended: bool) -> None:
-    """Leave this process's mark, its load begun or ended, in a ``LoadMarks`` directory (nothing
-    if it is gone)."""
-    try:
-        with open(os.path.join(directory, f"{'ended' if ended else 'begun'}-{os.getpid()}"), "w"):
-            pass
-    except OSError:
-        pass
-
-
-if __name__ == "__main__":
-    _serve(json.loads(sys.stdin.read()))

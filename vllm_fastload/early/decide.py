@@ -1,59 +1,52 @@
-"""Early reads: start reading the checkpoint while the engine starts, not when a rank asks for it.
+"""Whether and what to read early, from what the engine's start says, and the start of it.
 
-An engine's start spends tens of seconds (imports, processes, distributed set-up, the model's
-construction) before any rank loads weights; meanwhile the disk sits idle. The process that parses
-the engine's arguments knows the checkpoint long before that, but not the model, so not the
-per-rank plan: it asks the kernel to read every file of a local checkpoint into the page cache (the
-node's ranks share it), in a process of its own and on CPU time nothing else wants, where the checkpoint
-fits in half of the memory free under the lowest memory limit (``policy.early_reads_memory``: the
-machine's, and every cgroup's over the process) (``early_reads``: by default on local filesystems).
-Where one model spans several nodes, each node reads only its share: the byte ranges its ranks
-hold (``node_share``), from the layout the adapter reads off the engine's configuration.
-The rank's load then finds the pages cached and copies them out. The reads stop when the first
-rank's load begins (it reads what is missing itself), and the files stay mapped in the reading
-process until every rank of this node has loaded (each leaves marks, see ``load_begins`` and
-``load_ends``) or ``HOLD_S`` has passed, so that a host reclaiming idle page cache does not take
-them first; then the reading process unmaps them and ends (it also ends with the process that
-started it). A failure here is logged, never raised.
+The process that parses the engine's arguments knows the checkpoint long before any rank loads,
+but not the model, so not the per-rank plan: it reads every file of a local checkpoint into the
+page cache (the node's ranks share it), in a process of its own (``early.process``) and on CPU time
+nothing else wants, where the checkpoint fits in half of the memory free under the lowest memory
+limit (``policy.early_reads_memory``: the machine's, and every cgroup's over the process)
+(``early_reads``: by default on local filesystems). Where one model spans several nodes, each node
+reads only its share: the byte ranges its ranks hold (``early.node_share``), from the layout the
+adapter reads off the engine's configuration. The rank's load then finds the pages cached and copies
+them out. The reads stop when the first rank's load begins (it reads what is missing itself), and
+the files stay mapped in the reading process until every rank of this node has loaded (each leaves
+marks, ``early.marks``) or ``policy.EARLY_READS_HOLD_S`` has passed. A failure here is logged, never
+raised.
 
 Engine-independent: each adapter calls ``start`` where its engine has its configuration (vLLM:
-``vllm_plugin.early``; SGLang: ``sglang_plugin``) and loads each rank within ``loading()``.
+``vllm_plugin.early``; SGLang: ``sglang_plugin``) and loads each rank within ``marks.loading()``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_fastload import policy
-from vllm_fastload.model.node_share import NodeLayout, NodeShare
+from vllm_fastload import machine, policy
+from vllm_fastload.early.marks import MARKS_ENV, LoadMarks
+from vllm_fastload.early.node_share import NodeLayout, NodeShare
+from vllm_fastload.frozen import FrozenMap
 
 logger = logging.getLogger("vllm_fastload")
 
 #: Set in the environment of the process that started early reads, so that the processes it
 #: starts (the engine's workers, which may verify the config again) do not read twice.
 STARTED_ENV = "_FASTLOAD_EARLY_READS"
-#: Also inherited: the directory in which each rank's load leaves its marks as it begins and ends.
-MARKS_ENV = "_FASTLOAD_EARLY_READS_MARKS"
-#: The longest the files stay mapped after they were read, if not every rank leaves its mark
-#: (a start that failed, ranks on other nodes).
-HOLD_S = 600.0
 
 
 @dataclass(frozen=True)
-class Start:
+class EarlyStart:
     """What early reads need to know of an engine's start, read from its configuration."""
 
     #: The model: a directory, a Hugging Face id, or an object URI (never read early).
     path: str
     #: fastload's options as the engine received them (``--model-loader-extra-config``).
-    extra: dict[str, Any]
+    extra: Mapping[str, Any]
     #: The ranks that will load it on this node.
     local_ranks: int
     #: The engine's revision and download directory, for a Hugging Face id (see ``files_to_read``).
@@ -63,17 +56,20 @@ class Start:
     #: one node, or a layout the adapter could not read).
     nodes: int = 1
     layout: NodeLayout | None = None
-    #: Where the engine's start-up may leave no idle CPU time: the seconds the reading process may
-    #: wait for a CPU before it leaves idle priority (``sources.early_reads.start_reading``); None keeps
-    #: it at idle priority throughout.
-    starved_s: float | None = None
+    #: Whether the engine's start-up leaves idle CPU time for the reads (SGLang's keeps every core
+    #: busy until the load): where not, the reading process leaves idle priority once it has waited
+    #: ``policy.EARLY_READS_STARVED_S`` for a CPU (``early.child``).
+    idle_cpu: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "extra", FrozenMap(self.extra))
 
 
-def start(engine: str, settings: Callable[[], Start]) -> None:
+def start(engine: str, settings: Callable[[], EarlyStart]) -> None:
     """Read the checkpoint of the start that ``settings()`` describes into the page cache, once per
     path in a process tree (``engine`` names the engine in the log lines). Best effort: any
     failure, reading the engine's configuration included, is logged, never raised."""
-    from vllm_fastload.sources.hub import NotCachedError
+    from vllm_fastload.sources.hub import NotCachedError  # (huggingface_hub only where asked)
 
     try:
         _start(settings(), engine)
@@ -83,9 +79,8 @@ def start(engine: str, settings: Callable[[], Start]) -> None:
         logger.info("fastload: no early reads (%s: %s)", type(exc).__name__, exc)
 
 
-def _start(start: Start, engine: str) -> None:
-    from vllm_fastload.sources.early_reads import LoadMarks, start_reading
-    from vllm_fastload.sources.memory_limits import memory_limits
+def _start(start: EarlyStart, engine: str) -> None:
+    from vllm_fastload.early.process import start_reading
 
     path, local_ranks = start.path, start.local_ranks
     if os.environ.get(STARTED_ENV) == path or _is_rank() or local_ranks < 1:
@@ -101,7 +96,7 @@ def _start(start: Start, engine: str) -> None:
     policy.DecisionLog().note("early reads scope", scope, nodes=start.nodes)
     share = node_share_of(files, start.layout) if scope is policy.EarlyScope.NODE and start.layout else None
     wanted = total if share is None else share.read
-    memory = policy.early_reads_memory(wanted, memory_limits())
+    memory = policy.early_reads_memory(wanted, machine.memory_limits())
     policy.DecisionLog().note("early reads memory", memory.fits, size=wanted, allowed=memory.allowed,
                               limit=memory.limit)
     if not memory.fits:
@@ -115,8 +110,9 @@ def _start(start: Start, engine: str) -> None:
     os.environ[MARKS_ENV] = marks.directory
     reads = None
     try:
-        reads = start_reading(files if share is None else share.ranges, limit=memory.allowed, hold=marks, hold_s=HOLD_S,
-                              starved_s=start.starved_s)
+        reads = start_reading(files if share is None else share.ranges, limit=memory.allowed, hold=marks,
+                              hold_s=policy.EARLY_READS_HOLD_S,
+                              starved_s=None if start.idle_cpu else policy.EARLY_READS_STARVED_S)
     finally:
         if reads is None:
             marks.remove()
@@ -140,17 +136,17 @@ def node_share_of(files: list[str], layout: NodeLayout) -> NodeShare:
     """The ranges of the checkpoint ``files`` that ``layout``'s node reads early (``node_share``),
     from the files' headers."""
     from vllm_fastload.checkpoint import Checkpoint
-    from vllm_fastload.model.node_share import node_share
+    from vllm_fastload.early.node_share import node_share
 
     ckpt = Checkpoint.discover(files)
     try:
-        headers = {name: sf.data_offset for name, sf in ckpt.files.items()}
+        headers = {name: sf.header.data_offset for name, sf in ckpt.files.items()}
         return node_share(ckpt.tensors, headers, layout, gap=policy.EARLY_READS_GAP)
     finally:
         ckpt.close()
 
 
-def files_to_read(path: str, extra: dict[str, Any], *, revision: str | None = None,
+def files_to_read(path: str, extra: Mapping[str, Any], *, revision: str | None = None,
                   download_dir: str | None = None) -> list[str]:
     """The checkpoint files to read early for a model at ``path`` loaded with fastload's ``extra``
     config (the environment's ``FASTLOAD_*`` under it); none where ``policy.early_reads`` says not to.
@@ -171,7 +167,7 @@ class _EarlyFacts:
     """What ``policy.early_reads`` may ask of a model path; the setting is parsed, and the
     checkpoint's files found, only when asked."""
 
-    def __init__(self, path: str, extra: dict[str, Any], revision: str | None, download_dir: str | None) -> None:
+    def __init__(self, path: str, extra: Mapping[str, Any], revision: str | None, download_dir: str | None) -> None:
         from vllm_fastload.sources import hub, is_remote
 
         self._path, self._extra, self._revision, self._download_dir = path, extra, revision, download_dir
@@ -184,18 +180,16 @@ class _EarlyFacts:
     def mode(self) -> policy.Mode:
         from vllm_fastload.config import FastloadConfig
 
-        mode = FastloadConfig.from_env(**self._extra).early_reads
+        mode = FastloadConfig.for_engine(self._extra).early_reads
         self._known["mode"] = mode
         return mode
 
     @property
     def filesystems(self) -> Iterator[policy.Filesystem]:
-        from vllm_fastload.sources import fstype
-
         for file in self.files:
-            kind = fstype.filesystem_type(file)
+            kind = machine.filesystem_type(file)
             self._known["filesystem"] = kind
-            yield policy.Filesystem(kind, network=fstype.is_network(kind))
+            yield policy.Filesystem(kind, network=machine.is_network(kind))
 
     @functools.cached_property
     def files(self) -> list[str]:
@@ -228,37 +222,6 @@ def _snapshot_of(file: str) -> str:
     if "snapshots" not in parts:
         return os.path.dirname(file)
     return parts[len(parts) - parts[::-1].index("snapshots")][:12]
-
-
-@contextlib.contextmanager
-def loading() -> Iterator[None]:
-    """Around a rank's load: early reads stop as it begins (the load reads the rest in its own
-    order), and need not hold what they read for it once it ends, done or failed."""
-    load_begins()
-    try:
-        yield
-    finally:
-        load_ends()
-
-
-def load_begins() -> None:
-    """Called by the loader as this rank's load begins: early reads stop reading (the load reads
-    the rest itself) and hold what they read."""
-    _mark(ended=False)
-
-
-def load_ends() -> None:
-    """Called by the loader when this rank's load ends (done or failed): the early reads it was
-    started for need not stay mapped for it any longer."""
-    _mark(ended=True)
-
-
-def _mark(*, ended: bool) -> None:
-    directory = os.environ.get(MARKS_ENV)
-    if directory:
-        from vllm_fastload.sources.early_reads import mark_load
-
-        mark_load(directory, ended=ended)
 
 
 def _is_rank() -> bool:

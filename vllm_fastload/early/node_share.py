@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from vllm_fastload.format import TensorInfo
 from vllm_fastload.layers import EMBEDDINGS, LAYER, layer_key
 from vllm_fastload.sizes import ceil_div
-from vllm_fastload.sources.early_reads import FileRanges, coalesce
 
 #: Modules whose weights (and biases) tensor parallelism splits along dim 0 (column-parallel).
 COLUMN = ("q_proj", "k_proj", "v_proj", "qkv_proj", "gate_proj", "up_proj", "gate_up_proj", "w1", "w3",
@@ -38,6 +37,33 @@ ROW = ("o_proj", "down_proj", "w2", "dense", "c_proj", "fc2", "out_proj")
 
 #: ``...experts.7.w1.weight``: the expert a tensor belongs to (not ``shared_experts.``).
 _EXPERT_RE = re.compile(r"(?:^|\.)experts\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class FileRanges:
+    """Byte ranges of one file to read early: ``spans`` of ``[start, end)``, sorted and disjoint."""
+
+    path: str
+    spans: tuple[tuple[int, int], ...]
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes the spans cover."""
+        return sum(end - start for start, end in self.spans)
+
+
+def coalesce(spans: Iterable[tuple[int, int]], gap: int) -> tuple[tuple[int, int], ...]:
+    """``spans`` sorted, empty ones dropped, and those at most ``gap`` bytes apart (or overlapping)
+    merged into one."""
+    merged: list[list[int]] = []
+    for start, end in sorted(spans):
+        if end <= start:
+            continue
+        if merged and start <= merged[-1][1] + gap:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return tuple((start, end) for start, end in merged)
 
 
 def split_dim(name: str, ndim: int) -> int | None:
@@ -135,7 +161,7 @@ def node_share(tensors: Mapping[str, TensorInfo], headers: Mapping[str, int], la
                gap: int) -> NodeShare:
     """The ranges of each file that ``layout``'s ranks read: the header (``headers``: file -> its
     data offset) and the tensors, or estimated slices of them, the node's ranks hold; ranges at
-    most ``gap`` bytes apart read as one (``early_reads.coalesce``)."""
+    most ``gap`` bytes apart read as one (``coalesce``)."""
     spans: dict[str, list[tuple[int, int]]] = {file: [(0, offset)] for file, offset in headers.items()}
     outside: dict[str, list[tuple[int, int]]] = {}
     held = 0
