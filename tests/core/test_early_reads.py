@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from vllm_fastload import policy
-from vllm_fastload.bench.machine import evict
+from vllm_fastload.bench.cache import evict
 from vllm_fastload.plan import ByteRange
 from vllm_fastload.readers.pagecache import is_cached
 from vllm_fastload.sources import early_reads

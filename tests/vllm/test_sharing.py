@@ -13,7 +13,7 @@ import torch
 
 import vllm_fastload
 from vllm_fastload import exchange, policy
-from vllm_fastload.bench.machine import evict
+from vllm_fastload.bench.cache import evict
 from vllm_fastload.config import FastloadConfig
 from vllm_fastload.format import TensorInfo
 from vllm_fastload.model import rank as rank_module

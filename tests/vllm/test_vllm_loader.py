@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_fastload.bench.machine import evict
+from vllm_fastload.bench.cache import evict
 from vllm_fastload.bench.vllm import root_cause
 from vllm_fastload.tools.vllm_server import SMALL_MODEL_FLAGS, VllmServer
 

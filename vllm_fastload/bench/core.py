@@ -19,7 +19,8 @@ import torch
 from safetensors import safe_open
 
 import vllm_fastload
-from vllm_fastload.bench.machine import MachineState, evict
+from vllm_fastload.bench.cache import evict
+from vllm_fastload.bench.machine import MachineState
 from vllm_fastload.tensors import dtype_of, shape_of
 from vllm_fastload.tools.checkpoints import write_checkpoint
 from vllm_fastload.tp_rules import rank_requests

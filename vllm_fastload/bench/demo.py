@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import vllm_fastload
+from vllm_fastload.bench.cache import evict, resident
 from vllm_fastload.tools.checkpoints import write_random_checkpoint
-from vllm_fastload.tools.pagecache import evict, share_cached
 from vllm_fastload.tools.vllm_server import SMALL_MODEL_FLAGS, VllmServer, vllm_env
 
 #: The demo's own checkpoint: the benchmark Llama's shapes (1.67 GB), written once.
@@ -73,7 +73,7 @@ def run_demo(model: str | None, tp: int = 1, serve: bool = True) -> int:
 
 def _serve(model: str, files: list[str], load_format: str, tp: int, random_weights: bool) -> Start:
     evict(files)
-    cached = share_cached(files) if files else None
+    cached = resident(files) if files else None
     state = "cold" if cached is not None and cached < 0.05 else "warm" if cached is not None else "cache unknown"
     shown = "" if cached is None else f", {cached:.0%} of the checkpoint in the page cache"
     print(f"\n== vLLM's OpenAI server with --load-format {load_format} (tp={tp}), {state}{shown}; "

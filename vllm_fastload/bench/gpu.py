@@ -26,12 +26,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import json
-import mmap
 import os
 import platform
-import queue
 import statistics
 import sys
 import threading
@@ -41,14 +38,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 import vllm_fastload
+from vllm_fastload.bench.cache import Cold, evict, make_cold, read_files, warm
 from vllm_fastload.bench.core import status_kb
-from vllm_fastload.bench.machine import evict
 from vllm_fastload.config import FastloadConfig, usable_cpus
-from vllm_fastload.libc import releasing_gil
 from vllm_fastload.tensors import dtype_of, shape_of
 from vllm_fastload.tools.checkpoints import LLAMA3_8B, ModelSpec, write_random_checkpoint
 from vllm_fastload.tp_rules import rank_requests
@@ -67,40 +62,9 @@ class BenchError(RuntimeError):
 
 # -- page cache and disk ------------------------------------------------------------------------
 
-def resident_fraction(paths: list[str]) -> float:
-    """Fraction of the files' pages in the page cache (``mincore`` over a private mapping).
-
-    Cold repetitions must really be cold; on a machine whose page cache is bigger than
-    ``posix_fadvise(DONTNEED)`` will drop, this says so instead of reporting warm numbers as cold.
-    """
-    resident = pages = 0
-    libc = releasing_gil()
-    assert libc is not None  # (the benchmark runs on Linux)
-    mincore = libc.mincore
-    for path in paths:
-        size = os.path.getsize(path)
-        if size == 0:
-            continue
-        with open(path, "rb") as f:
-            region = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
-        try:
-            anchor = ctypes.c_char.from_buffer(region)
-            address = ctypes.addressof(anchor)
-            del anchor  # the mapping stays open; only the export must end before close()
-            n = -(-size // mmap.PAGESIZE)
-            vec = np.zeros(n, dtype=np.uint8)
-            if mincore(address, size, vec.ctypes.data) != 0:
-                raise OSError(ctypes.get_errno(), f"mincore failed on {path}")
-            resident += int(np.count_nonzero(vec & 1))
-            pages += n
-        finally:
-            region.close()
-    return resident / pages if pages else 0.0
-
-
 @dataclass
 class Eviction:
-    """How cold the cold repetitions were."""
+    """How cold the cold repetitions were, over the run."""
 
     method: str = "posix_fadvise(DONTNEED)"
     worst_resident: float = 0.0
@@ -114,79 +78,12 @@ class Eviction:
         extra = f", drop_caches needed {self.drop_caches_used} times" if self.drop_caches_used else ""
         return f"{self.method}{extra}; at most {self.worst_resident:.1%} of the checkpoint stayed cached"
 
-
-def make_cold(paths: list[str], ev: Eviction, allow_drop_caches: bool) -> None:
-    """Evict the files; where DONTNEED leaves pages behind, drop all caches if allowed (root only).
-
-    Dropping every cache disturbs anything else running on the machine, so only the GPU run
-    (a machine of its own) may; the smoke run, which also runs on shared machines, may not.
-    """
-    evict(paths)
-    left = resident_fraction(paths)
-    if left > 0.01 and allow_drop_caches:
-        try:
-            os.sync()
-            with open("/proc/sys/vm/drop_caches", "w") as f:
-                f.write("1")
-            ev.drop_caches_used += 1
-            left = resident_fraction(paths)
-        except OSError:
-            pass
-    ev.worst_resident = max(ev.worst_resident, left)
-    if left > 0.05:
-        ev.failures += 1
-
-
-def _parallel_read(jobs: list[tuple[str, int, int]], threads: int, block: int, direct: bool) -> int:
-    """Read ``(path, offset, length)`` jobs on ``threads`` threads into reused aligned buffers."""
-    flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
-    fds = {path: os.open(path, flags) for path in {j[0] for j in jobs}}
-    work: queue.SimpleQueue = queue.SimpleQueue()
-    for job in jobs:
-        work.put(job)
-    done = [0] * threads
-    errors: list[BaseException] = []
-
-    def worker(i: int) -> None:
-        buf = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT needs
-        view = memoryview(buf)
-        try:
-            while not errors:
-                try:
-                    path, offset, length = work.get_nowait()
-                except queue.Empty:
-                    return
-                while length > 0:
-                    want = -(-length // 4096) * 4096 if direct else length  # O_DIRECT: whole pages
-                    n = os.preadv(fds[path], [view[:min(want, block)]], offset)
-                    if n <= 0:
-                        break
-                    done[i] += min(n, length)
-                    offset += n
-                    length -= n
-        except BaseException as exc:
-            errors.append(exc)
-        finally:
-            view.release()
-            buf.close()
-
-    pool = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
-    try:
-        for t in pool:
-            t.start()
-        for t in pool:
-            t.join()
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-    if errors:
-        raise errors[0]
-    return sum(done)
-
-
-def _jobs(paths: list[str], block: int) -> list[tuple[str, int, int]]:
-    return [(p, off, min(block, os.path.getsize(p) - off)) for p in paths
-            for off in range(0, os.path.getsize(p), block)]
+    def count(self, cold: Cold) -> None:
+        left = cold.resident or 0.0  # the run's own files: the kernel always says
+        self.drop_caches_used += cold.dropped
+        self.worst_resident = max(self.worst_resident, left)
+        if left > 0.05:
+            self.failures += 1
 
 
 def disk_read_gbps(paths: list[str], threads: int, block: int) -> tuple[float, str]:
@@ -195,16 +92,15 @@ def disk_read_gbps(paths: list[str], threads: int, block: int) -> tuple[float, s
     Where the filesystem refuses ``O_DIRECT`` (tmpfs, some overlays), buffered reads of
     evicted files stand in, and the method says so.
     """
-    jobs = _jobs(paths, block)
-    total = sum(j[2] for j in jobs)
+    total = sum(os.path.getsize(p) for p in paths)
     try:
         start = time.perf_counter()
-        got = _parallel_read(jobs, threads, block, direct=True)
+        got = read_files(paths, threads, block, direct=True)
         method = f"O_DIRECT, {threads} threads x {block >> 20} MiB"
     except OSError as exc:
         evict(paths)
         start = time.perf_counter()
-        got = _parallel_read(jobs, threads, block, direct=False)
+        got = read_files(paths, threads, block)
         method = f"buffered after eviction ({threads} threads; O_DIRECT refused: {exc.strerror})"
     seconds = time.perf_counter() - start
     if got != total:
@@ -212,17 +108,11 @@ def disk_read_gbps(paths: list[str], threads: int, block: int) -> tuple[float, s
     return total / seconds / GB, method
 
 
-def read_in(paths: list[str], threads: int = 4, block: int = 4 << 20) -> None:
-    """Bring the files into the page cache (after a loader that bypassed it, or an eviction)."""
-    _parallel_read(_jobs(paths, block), threads, block, direct=False)
-
-
 def page_cache_gbps(paths: list[str], threads: int, block: int) -> float:
     """Parallel buffered reads of files already in the page cache, into reused buffers."""
-    jobs = _jobs(paths, block)
-    _parallel_read(jobs, threads, block, direct=False)  # make sure they are cached
+    read_files(paths, threads, block)  # make sure they are cached
     start = time.perf_counter()
-    got = _parallel_read(jobs, threads, block, direct=False)
+    got = read_files(paths, threads, block)
     return got / (time.perf_counter() - start) / GB
 
 
@@ -641,9 +531,11 @@ def _measure(loader: Loader, cache: str, rep: int, s: Setup, ev: Eviction,
     """One timed load; False (and the error in ``skipped``) if the loader failed."""
     s.clear(loader.tp)
     if cache == "cold":
-        make_cold(s.files, ev, allow_drop_caches=s.device.type == "cuda")
-    elif resident_fraction(s.files) < 0.99:
-        read_in(s.files)  # an O_DIRECT loader left the files uncached
+        # Dropping every cache disturbs anything else running on the machine, so only the GPU run
+        # (a machine of its own) may; the smoke run, which also runs on shared machines, may not.
+        ev.count(make_cold(s.files, drop="leftover" if s.device.type == "cuda" else "never"))
+    else:
+        warm(s.files, unless_cached=True)
     try:
         with DeviceMemory(s.device) as mem:
             start = time.perf_counter()

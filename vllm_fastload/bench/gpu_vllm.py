@@ -47,6 +47,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from vllm_fastload.bench import cache as page_cache
 from vllm_fastload.tools.checkpoints import LLAMA3_8B, ModelSpec, write_random_checkpoint
 
 GB = 1e9
@@ -186,33 +187,11 @@ def _say(*parts: object) -> None:
 
 # -- page cache ------------------------------------------------------------------------------------
 def make_cold(files: list[str], device: str) -> dict:
-    """Drop the checkpoint from the page cache: on the GPU machine (lent to the
-    benchmark alone, run as root) the whole cache, as a cold start finds it; elsewhere (a shared machine) only the
+    """Drop the checkpoint from the page cache: on the GPU machine (lent to the benchmark alone, run
+    as root) the whole cache, as a cold start finds it; elsewhere (a shared machine) only the
     checkpoint's pages. Returns how, and how much of the checkpoint stayed cached."""
-    from vllm_fastload.bench.gpu import resident_fraction
-    from vllm_fastload.bench.machine import evict
-
-    how = "posix_fadvise(DONTNEED) of the checkpoint's files"
-    if device == "cuda":
-        try:
-            os.sync()
-            with open("/proc/sys/vm/drop_caches", "w") as f:
-                f.write("3")
-            how = "sync; echo 3 > /proc/sys/vm/drop_caches"
-        except OSError as exc:
-            how += f" (drop_caches refused: {exc.strerror})"
-            evict(files)
-    else:
-        evict(files)
-    return {"how": how, "resident": resident_fraction(files)}
-
-
-def make_warm(files: list[str]) -> None:
-    """Have the whole checkpoint in the page cache (a loader reading with O_DIRECT leaves it as it was)."""
-    from vllm_fastload.bench.gpu import read_in, resident_fraction
-
-    if resident_fraction(files) < 0.99:
-        read_in(files)
+    cold = page_cache.make_cold(files, drop="always" if device == "cuda" else "never")
+    return {"how": cold.how, "resident": cold.resident}
 
 
 # -- checkpoints -----------------------------------------------------------------------------------
@@ -842,7 +821,7 @@ def loads_main(spec: dict) -> int:
                 if cache == "cold":
                     state = make_cold(files, device)
                 else:
-                    make_warm(files)
+                    page_cache.warm(files, unless_cached=True)  # O_DIRECT loaders leave it as it was
                     state = {"resident": 1.0}
                 try:
                     rec = timed_load(model, loader, device)

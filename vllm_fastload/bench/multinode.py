@@ -40,7 +40,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from vllm_fastload.bench.machine import evict
+from vllm_fastload.bench.cache import evict
 from vllm_fastload.bench.vllm import LLM_KWARGS, LOADERS, parse_target_spec, root_cause
 from vllm_fastload.tools.checkpoints import write_checkpoint
 from vllm_fastload.tools.processes import remove_logged_cpu_shm

@@ -61,7 +61,7 @@ class S3Bench:
 
     def sample_limit(self) -> float:
         """The server's own limit, through a proxy like every loader's requests (not counted as a rank's)."""
-        from vllm_fastload.bench.machine import evict
+        from vllm_fastload.bench.cache import evict
 
         evict(self.server_files())
         value = objstore.server_limit_gbps(self.rank_proxies[0].url, self.sizes)

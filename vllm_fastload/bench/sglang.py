@@ -25,7 +25,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from vllm_fastload.bench.machine import MachineState, evict
+from vllm_fastload.bench.cache import evict, warm
+from vllm_fastload.bench.machine import MachineState
 from vllm_fastload.tools.checkpoints import write_checkpoint
 from vllm_fastload.tools.sglang_server import SMALL_MODEL_FLAGS, ServerExited, SglangServer, sglang_env
 
@@ -87,13 +88,6 @@ def root_cause(log: str) -> str:
     return "no exception line; the log ends with: " + " | ".join(log.splitlines()[-3:])[:300]
 
 
-def _warm(paths: list[str]) -> None:
-    for p in paths:
-        with open(p, "rb") as f:
-            while f.read(64 << 20):
-                pass
-
-
 def run(model: str, tps: list[int], caches: list[str], repeats: int, loaders: list[str], work: Path,
         deadline: float, state: MachineState) -> dict[str, list[Start]]:
     """Every (TP, cache): ``repeats`` interleaved repetitions of every loader; key ``tp|cache|loader``.
@@ -117,7 +111,7 @@ def run(model: str, tps: list[int], caches: list[str], repeats: int, loaders: li
                     if cache == "cold":
                         evict(files)
                     else:
-                        _warm(files)
+                        warm(files)
                     result = start_once(model, name, tp, work / f"{name}-tp{tp}-{cache}-{rep}.log")
                     results.setdefault(key, []).append(result)
                     if result.error is not None:

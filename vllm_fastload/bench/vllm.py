@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import vllm_fastload
-from vllm_fastload.bench.machine import MachineState, evict, release_memory
+from vllm_fastload.bench.cache import evict, warm
+from vllm_fastload.bench.machine import MachineState, release_memory
 from vllm_fastload.sources.hub import is_repo_id
 from vllm_fastload.tools.checkpoints import write_checkpoint, write_random_checkpoint
 from vllm_fastload.tools.processes import remove_logged_cpu_shm
@@ -116,14 +117,6 @@ def available_loaders() -> tuple[list[str], dict[str, str]]:
         else:
             names.append(name)
     return names, skipped
-
-
-def warm_up(paths: list[str]) -> None:
-    """Read the files once so they are in the page cache (a cold row may have evicted them)."""
-    for p in paths:
-        with open(p, "rb") as f:
-            while f.read(64 << 20):
-                pass
 
 
 def run_once(model: str, loader: str, tp: int, work: Path, cache: str = "", env_extra: dict | None = None) -> dict:
@@ -311,7 +304,7 @@ def run_bench(args: argparse.Namespace, model: str, source: str, wanted_targets:
                     if cache == "cold":
                         evict(files + (server_files or []))
                     else:
-                        warm_up(files)
+                        warm(files)  # a cold row may have evicted them
                     if hub is not None:
                         res = run_once(hub.repo_id if name in HUB_ID_LOADERS else model, name, tp, work, cache,
                                        hub.env)

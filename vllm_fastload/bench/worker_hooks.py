@@ -22,6 +22,7 @@ import os
 import time
 from pathlib import Path
 
+from vllm_fastload.bench.cache import warm
 from vllm_fastload.bench.core import status_kb
 
 #: Numbers the loads of one process, so that a second load does not overwrite the first's record.
@@ -95,10 +96,7 @@ def _set_cache_state(cache: str | None, model_config, rank: int) -> None:
     """
     if cache != "warm" or rank != 0 or model_config is None:
         return
-    for path in sorted(str(p) for p in Path(model_config.model).glob("*.safetensors")):
-        with open(path, "rb") as f:
-            while f.read(64 << 20):
-                pass
+    warm(sorted(str(p) for p in Path(model_config.model).glob("*.safetensors")))
 
 
 def install(out_dir: str) -> None:
