@@ -12,6 +12,7 @@ from torch import nn
 
 from vllm_fastload.bench import vllm as bench
 from vllm_fastload.bench import worker_hooks
+from vllm_fastload.bench.logs import root_cause
 
 
 @pytest.fixture
@@ -246,11 +247,11 @@ def test_a_failed_start_reports_the_workers_first_error():
         "(EngineCore_DP0 pid=70) ERROR vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.",
         "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}",
     ])
-    assert bench.root_cause(log) == ("ConfigError: invalid fastload configuration: threads: "
-                                     "Input should be greater than or equal to 1")
-    assert bench.root_cause(log.splitlines()[-1]).startswith("RuntimeError: Engine core initialization failed")
-    assert bench.root_cause("no error here\nthe end") == ("no exception line in the log; it ends with: "
-                                                         "no error here | the end")
+    assert root_cause(log) == ("ConfigError: invalid fastload configuration: threads: "
+                               "Input should be greater than or equal to 1")
+    assert root_cause(log.splitlines()[-1]).startswith("RuntimeError: Engine core initialization failed")
+    assert root_cause("no error here\nthe end") == ("no exception line in the log; it ends with: "
+                                                   "no error here | the end")
 
 
 def test_machine_state_is_measured(tmp_path: Path):

@@ -372,7 +372,7 @@ def step_loads(ckpts: Checkpoints, device: str, work: Path, seconds: float, repe
     for name, why in done.get("skipped", {}).items():
         _say(f"   not measured: {name}: {why}")
     if code != 0:
-        from vllm_fastload.bench.vllm import root_cause
+        from vllm_fastload.bench.logs import root_cause
 
         done["error"] = f"exit {code}: {root_cause(log.read_text(errors='replace'))}"
         _say(f"   the loads process ended with {done['error']}")
@@ -414,7 +414,7 @@ def _append_log(logs: Path, title: str, log: Path) -> None:
 # -- step: generate --------------------------------------------------------------------------------
 def step_generate(model: str, device: str, shapes: Shapes, work: Path, clock: Clock, logs: Path) -> dict:
     """One cold ``LLM(...)`` start per loader (fastload, then the default), each generating greedily."""
-    from vllm_fastload.bench.vllm import root_cause
+    from vllm_fastload.bench.logs import root_cause
 
     runs: dict[str, dict] = {}
     for name, load_format in (("fastload", "fastload"), ("default", "auto")):

@@ -41,7 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from vllm_fastload.bench.cache import evict
-from vllm_fastload.bench.vllm import LLM_KWARGS, LOADERS, parse_target_spec, root_cause
+from vllm_fastload.bench.logs import root_cause
+from vllm_fastload.bench.vllm import LLM_KWARGS, LOADERS, parse_target_spec
 from vllm_fastload.tools.checkpoints import write_checkpoint
 from vllm_fastload.tools.processes import remove_logged_cpu_shm
 from vllm_fastload.tools.vllm_server import free_port, vllm_env

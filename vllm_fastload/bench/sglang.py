@@ -19,13 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from vllm_fastload.bench.cache import evict, warm
+from vllm_fastload.bench.logs import root_cause
 from vllm_fastload.bench.machine import MachineState
 from vllm_fastload.tools.checkpoints import write_checkpoint
 from vllm_fastload.tools.sglang_server import SMALL_MODEL_FLAGS, ServerExited, SglangServer, sglang_env
@@ -73,19 +73,6 @@ def start_once(model: str, loader: str, tp: int, log: Path) -> Start:
         return Start(error=f"{len(parsed.load_s)} of {tp} ranks logged 'Load weight end' (log: {log})")
     return Start(load_s=max(parsed.load_s.values()), ready_s=server.ready_s,
                  read_share=tuple(parsed.read_share[r] for r in sorted(parsed.read_share)), early_gb=parsed.early_gb)
-
-
-_ERROR = re.compile(r"\b([A-Z]\w*(?:Error|Exception)): (.+)$")
-
-
-def root_cause(log: str) -> str:
-    """The first exception line of a failed start's log (SGLang prints the rank's error, then the
-    launcher's consequences)."""
-    for line in log.splitlines():
-        match = _ERROR.search(line)
-        if match and "ConnectionRefused" not in match.group(1):
-            return f"{match.group(1)}: {match.group(2).strip()}"[:300]
-    return "no exception line; the log ends with: " + " | ".join(log.splitlines()[-3:])[:300]
 
 
 def run(model: str, tps: list[int], caches: list[str], repeats: int, loaders: list[str], work: Path,

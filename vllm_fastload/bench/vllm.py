@@ -35,6 +35,7 @@ from typing import Any
 
 import vllm_fastload
 from vllm_fastload.bench.cache import evict, warm
+from vllm_fastload.bench.logs import root_cause
 from vllm_fastload.bench.machine import MachineState, release_memory
 from vllm_fastload.sources.hub import is_repo_id
 from vllm_fastload.tools.checkpoints import write_checkpoint, write_random_checkpoint
@@ -148,31 +149,6 @@ def run_once(model: str, loader: str, tp: int, work: Path, cache: str = "", env_
 
 def _start_s3(model: str, env: dict[str, str], *, name: str, tp: int, work: Path, cache: str) -> dict:
     return run_once(model, name, tp, work, cache, env)
-
-
-#: An exception line as Python prints it, behind vLLM's "(Worker pid=N)" style prefix if any.
-_ERROR_LINE = re.compile(r"^(?:\([^)]*\)\s*)?(?:[A-Za-z_][\w.]*\.)?([A-Z]\w*(?:Error|Exception|Exit)): (.+)$")
-#: What vLLM's engine raises once a worker has died: a consequence, never the cause.
-_CONSEQUENCES = ("EngineDeadError", "EngineCoreError", "EOFError", "BrokenPipeError")
-
-
-def root_cause(log: str) -> str:
-    """The first exception line in a start-up log, e.g. a worker's ``ConfigError``: vLLM prints the
-    real failure first and then pages of tracebacks of the processes that noticed it."""
-    fallback = None
-    for line in log.splitlines():
-        match = _ERROR_LINE.match(line.strip())
-        if not match:
-            continue
-        found = f"{match.group(1)}: {match.group(2).strip()}"
-        if match.group(1) in _CONSEQUENCES or "died unexpectedly" in line or "initialization failed" in line:
-            fallback = fallback or found
-            continue
-        return found
-    if fallback:
-        return fallback
-    tail = [line for line in log.splitlines() if line.strip()][-3:]
-    return "no exception line in the log; it ends with: " + " | ".join(tail)
 
 
 def main(args: argparse.Namespace) -> int:
