@@ -56,22 +56,24 @@ def _row(tp: int, cache: str, loader: str, load: float, ready: float, share: tup
 
 
 def test_the_targets_are_judged_from_the_medians_and_a_loader_that_did_not_start_is_named():
-    rows = [_row(2, "warm", "fastload", 0.5, 20.0, (0.5, 0.5)), _row(2, "warm", "default", 0.9, 20.0),
-            _row(2, "cold", "fastload", 0.55, 21.0, (0.5, 0.5)), _row(2, "cold", "default", 1.5, 22.0),
-            {"tp": 2, "cache": "cold", "loader": "default+overlap", "runs": 0,
+    rows = [_row(2, "warm", "fastload", 0.5, 20.0, (0.5, 0.5)), _row(2, "warm", "safetensors", 0.9, 20.0),
+            _row(2, "cold", "fastload", 0.55, 21.0, (0.5, 0.5)), _row(2, "cold", "safetensors", 1.5, 22.0),
+            {"tp": 2, "cache": "cold", "loader": "safetensors-overlap", "runs": 0,
              "error": "ValueError: --startup-weight-load-mode=overlap is not supported: CUDA only"}]
     verdicts = bench.verdicts(rows, [2])
     assert "TP=2 fastload cold / fastload warm (weight load) <= 1.15: 1.10x (0.55 / 0.50 s) met" in verdicts
-    assert "TP=2 fastload cold / default cold (weight load) <= 0.5: 0.37x (0.55 / 1.50 s) met" in verdicts
-    assert any(v.startswith("TP=2 fastload cold / default+overlap cold (weight load) <= 0.9: not measured (cold "
-                            "default+overlap: ValueError: --startup-weight-load-mode=overlap is not supported")
+    assert "TP=2 fastload cold / safetensors cold (weight load) <= 0.5: 0.37x (0.55 / 1.50 s) met" in verdicts
+    assert any(v.startswith("TP=2 fastload cold / safetensors-overlap cold (weight load) <= 0.9: not measured "
+                            "(cold safetensors-overlap: ValueError: --startup-weight-load-mode=overlap is not "
+                            "supported")
                for v in verdicts)
-    assert "TP=2 fastload warm / default warm (weight load) <= 1.0: 0.56x (0.50 / 0.90 s) met" in verdicts
-    assert "TP=2 fastload cold / default cold (ready) <= 1.0: 0.95x (21.00 / 22.00 s, +1.00 s saved) met" in verdicts
+    assert "TP=2 fastload warm / safetensors warm (weight load) <= 1.0: 0.56x (0.50 / 0.90 s) met" in verdicts
+    assert ("TP=2 fastload cold / safetensors cold (ready) <= 1.0: 0.95x (21.00 / 22.00 s, +1.00 s saved) met"
+            in verdicts)
     assert "TP=2 read share per rank <= 0.56: 0.500 met" in verdicts
     table = bench.table(rows)
     assert "| 2 | cold | fastload | 0.55 (0.55-0.55) | 0.37x | 21.0 (21.0-21.0) | 0.95x | 0.500 / 0.500 | - |" in table
-    assert "| 2 | cold | default+overlap | did not start: ValueError" in table
+    assert "| 2 | cold | safetensors-overlap | did not start: ValueError" in table
 
 
 def test_a_missed_target_says_so():

@@ -43,6 +43,7 @@ import torch
 import vllm_fastload
 from vllm_fastload.bench.cache import Cold, evict, make_cold, read_files, warm
 from vllm_fastload.bench.core import status_kb
+from vllm_fastload.bench.loaders import LOADERS, runs_on
 from vllm_fastload.config import FastloadConfig, usable_cpus
 from vllm_fastload.tensors import dtype_of, shape_of
 from vllm_fastload.tools.checkpoints import LLAMA3_8B, ModelSpec, write_random_checkpoint
@@ -50,8 +51,10 @@ from vllm_fastload.tp_rules import rank_requests
 
 #: The smoke checkpoint: 14 MB, dim-1 slices that skip 4 KiB per row (read row by row).
 SMOKE_SPEC = ModelSpec(hidden=256, intermediate=4096, layers=2, heads=4, kv_heads=2, vocab=1000)
-#: Anchor loaders: the other projects every fastload row is compared with.
-ANCHORS = ("safetensors", "fastsafetensors", "instanttensor")
+#: The loaders this benchmark calls itself (``bench.loaders``): fastload's backends (backend ->
+#: loader), and the anchors, the other projects every fastload row is compared with.
+BACKENDS = {LOADERS[n].config["backend"]: n for n in runs_on("library") if "backend" in LOADERS[n].config}
+ANCHORS = tuple(n for n in runs_on("library") if "backend" not in LOADERS[n].config)
 TP1, TP2 = "TP=1", "TP=2 rank 1"
 GB = 1e9
 
@@ -304,7 +307,7 @@ def prepare(model: str, device: torch.device) -> Setup:
     return Setup(model, device, files, total, dests, tp_requests, tp_dests, reference)
 
 
-def fastload_loader(s: Setup, backend: str, tp: str, config: FastloadConfig, note: str = "") -> Loader:
+def fastload_loader(s: Setup, name: str, tp: str, config: FastloadConfig, note: str = "") -> Loader:
     """fastload as the vLLM loader uses it: open, then ``read_into`` the preallocated destinations."""
     targets = s.targets(tp)
 
@@ -312,7 +315,7 @@ def fastload_loader(s: Setup, backend: str, tp: str, config: FastloadConfig, not
         with vllm_fastload.open(s.model, device=s.device, config=config) as ckpt:
             return ckpt.read_into(targets).bytes_read
 
-    return Loader(f"fastload-{backend}", tp, run, note)
+    return Loader(name, tp, run, note)
 
 
 def safetensors_loader(s: Setup) -> Loader:
@@ -379,8 +382,9 @@ def build_loaders(s: Setup, backends: list[str], anchors: list[str], config: Fas
                 skipped["fastload-kvikio"] = str(status["why"])
                 continue
             note = f"GDS active: {status['active']} ({status['why']})"
-        cfg = FastloadConfig.build({**config.model_dump(), "backend": backend})
-        loaders += [fastload_loader(s, backend, TP1, cfg, note), fastload_loader(s, backend, TP2, cfg, note)]
+        name = BACKENDS[backend]
+        cfg = FastloadConfig.build({**config.model_dump(), **LOADERS[name].config})
+        loaders += [fastload_loader(s, name, TP1, cfg, note), fastload_loader(s, name, TP2, cfg, note)]
     for name in anchors:
         try:
             if name == "safetensors":
@@ -431,7 +435,7 @@ def _main(args: argparse.Namespace) -> int:
         anchors = [a for a in args.anchors.split(",") if a]
         spec = ModelSpec(**LLAMA3_8B, layers=args.layers)
         files, default_dir = args.files, ".fastload/bench-gpu"
-    unknown = (set(backends) - {"cuda", "kvikio", "host"}) | (set(anchors) - set(ANCHORS))
+    unknown = (set(backends) - set(BACKENDS)) | (set(anchors) - set(ANCHORS))
     if unknown:
         raise BenchError(f"unknown backends or anchors: {', '.join(sorted(unknown))}")
     config = FastloadConfig.from_env(progress=False)

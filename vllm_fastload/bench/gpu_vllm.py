@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import importlib.util
 import json
 import os
 import platform
@@ -44,10 +43,11 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from vllm_fastload.bench import cache as page_cache
+from vllm_fastload.bench.loaders import LOADERS, why_not
 from vllm_fastload.tools.checkpoints import LLAMA3_8B, ModelSpec, write_random_checkpoint
 
 GB = 1e9
@@ -94,32 +94,13 @@ SHAPES = {
 }
 
 
-@dataclass(frozen=True)
-class Loader:
-    """One way vLLM loads: a load format, its extra config, and other engine arguments."""
-
-    name: str
-    load_format: str
-    extra: dict = field(default_factory=dict)
-    engine: dict = field(default_factory=dict)
-    note: str = ""
+#: The loaders of the run (``bench.loaders`` says what each is), in the order a repetition starts
+#: with them (each repetition starts one further).
+GPU_LOADERS = ("fastload", "safetensors", "fastsafetensors", "instanttensor", "safetensors-prefetch", "fastload-cuda",
+               "fastload-kvikio")
 
 
-#: In the order a repetition starts with them (each repetition starts one further).
-LOADERS = [
-    Loader("fastload", "fastload", {"progress": False}, note="backend auto"),
-    Loader("default", "auto", note="vLLM's safetensors loader (lazy)"),
-    Loader("fastsafetensors", "fastsafetensors"),
-    Loader("instanttensor", "instanttensor"),
-    Loader("default-prefetch", "auto", engine={"safetensors_load_strategy": "prefetch"},
-           note="--safetensors-load-strategy prefetch"),
-    Loader("fastload-cuda", "fastload", {"progress": False, "backend": "cuda"}),
-    Loader("fastload-kvikio", "fastload", {"progress": False, "backend": "kvikio"}),
-]
-CUDA_ONLY = {"fastsafetensors", "instanttensor", "fastload-cuda", "fastload-kvikio"}
-
-
-def choose_loaders(device: str) -> tuple[list[Loader], dict[str, str]]:
+def choose_loaders(device: str) -> tuple[list[str], dict[str, str]]:
     """The loaders this machine runs, and why each other one is left out."""
     chosen, skipped = [], {}
     auto = None
@@ -130,18 +111,16 @@ def choose_loaders(device: str) -> tuple[list[Loader], dict[str, str]]:
         from vllm_fastload.readers import select_backend
 
         auto = select_backend(FastloadConfig.from_env(), torch.device("cuda"))
-    for loader in LOADERS:
-        if device != "cuda" and loader.name in CUDA_ONLY:
-            skipped[loader.name] = "CUDA only: not run without a GPU"
-        elif loader.name == f"fastload-{auto}":
-            skipped[loader.name] = f"the same as fastload: backend auto picks {auto} here"
-        elif loader.name == "fastload-kvikio" and _kvikio_missing():
-            skipped[loader.name] = _kvikio_missing()
-        elif loader.name in ("fastsafetensors", "instanttensor") and importlib.util.find_spec(loader.name) is None:
-            skipped[loader.name] = f"package {loader.name} not installed"
+    for name in GPU_LOADERS:
+        why = why_not(LOADERS[name], device == "cuda")
+        if why is None and name == f"fastload-{auto}":
+            why = f"the same as fastload: backend auto picks {auto} here"
+        elif why is None and name == "fastload-kvikio":
+            why = _kvikio_missing() or None
+        if why is None:
+            chosen.append(name)
         else:
-            note = f"backend auto = {auto}" if loader.name == "fastload" and auto else loader.note
-            chosen.append(Loader(loader.name, loader.load_format, loader.extra, loader.engine, note))
+            skipped[name] = why
     return chosen, skipped
 
 
@@ -413,20 +392,21 @@ def _append_log(logs: Path, title: str, log: Path) -> None:
 
 # -- step: generate --------------------------------------------------------------------------------
 def step_generate(model: str, device: str, shapes: Shapes, work: Path, clock: Clock, logs: Path) -> dict:
-    """One cold ``LLM(...)`` start per loader (fastload, then the default), each generating greedily."""
+    """One cold ``LLM(...)`` start per loader (fastload, then the default loader), each generating greedily."""
     from vllm_fastload.bench.logs import root_cause
 
     runs: dict[str, dict] = {}
-    for name, load_format in (("fastload", "fastload"), ("default", "auto")):
-        timeout = clock.left() - 10 if name == "default" else (clock.left() - 10) / 2
+    for name in ("fastload", "safetensors"):
+        timeout = clock.left() - 10 if name == "safetensors" else (clock.left() - 10) / 2
         if timeout < shapes.start_s * 0.8:
             runs[name] = {"error": f"skipped: {clock.left():.0f} s of the budget left"}
             _say(f"   {name}: skipped ({clock.left():.0f} s left)")
             continue
         probe = work / f"generate-{name}"
         probe.mkdir()
-        spec = {"model": model, "load_format": load_format, "device": device, "max_tokens": shapes.max_tokens,
-                "kv_cache_bytes": shapes.kv_cache_bytes, "vocab": shapes.big.vocab, "out": str(probe / "result.json")}
+        spec = {"model": model, "load_format": LOADERS[name].vllm_format, "device": device,
+                "max_tokens": shapes.max_tokens, "kv_cache_bytes": shapes.kv_cache_bytes, "vocab": shapes.big.vocab,
+                "out": str(probe / "result.json")}
         cold = make_cold(_files(model), device)
         env = _vllm_env(device, FASTLOAD_DEV_BENCH_DIR=str(probe))
         # worker_hooks (via bench/site) record load_model, load_weights and fastload's phases in the engine.
@@ -453,7 +433,7 @@ def step_generate(model: str, device: str, shapes: Shapes, work: Path, clock: Cl
                  f"tokens {res['tokens'][0][:8]}...")
         res["cold"] = cold
         runs[name] = res
-    fl, base = runs.get("fastload", {}), runs.get("default", {})
+    fl, base = runs.get("fastload", {}), runs.get("safetensors", {})
     same = "tokens" in fl and "tokens" in base and fl["tokens"] == base["tokens"]
     if "tokens" in fl and "tokens" in base:
         _say(f"   greedy tokens {'IDENTICAL' if same else 'DIFFERENT'} ({sum(len(t) for t in fl['tokens'])} tokens "
@@ -517,7 +497,7 @@ def targets(result: dict, rows: list[dict]) -> list[dict]:
     disk = statistics.median(limits["disk_gbps"]) if limits.get("disk_gbps") else None
     h2d = statistics.median(limits["h2d_gbps"]) if limits.get("h2d_gbps") else None
     cold, warm = _row(rows, "cold", "fastload"), _row(rows, "warm", "fastload")
-    cold_base, warm_base = _row(rows, "cold", "default"), _row(rows, "warm", "default")
+    cold_base, warm_base = _row(rows, "cold", "safetensors"), _row(rows, "warm", "safetensors")
 
     def ratio(a: dict | None, b: dict | None, key: str = "load_model_median") -> float | None:
         return a[key] / b[key] if a and b and a.get(key) and b.get(key) else None
@@ -696,7 +676,7 @@ class _Timers:
 _TIMERS: _Timers | None = None
 
 
-def timed_load(model: str, loader: dict, device: str) -> dict:
+def timed_load(model: str, loader: str, device: str) -> dict:
     """One ``load_model`` of ``model`` by ``loader``: seconds and their split, bytes read, GPU memory."""
     import torch
     from vllm.config import set_current_vllm_config
@@ -708,9 +688,10 @@ def timed_load(model: str, loader: dict, device: str) -> dict:
 
     global _TIMERS
     _TIMERS = _TIMERS or _Timers()
-    config = EngineArgs(model=model, model_loader_extra_config=loader["extra"], dtype="auto",
-                        load_format=loader["load_format"], enforce_eager=True, max_model_len=128,
-                        skip_tokenizer_init=True, seed=0, **loader["engine"]).create_engine_config()
+    spec = LOADERS[loader]
+    config = EngineArgs(model=model, model_loader_extra_config=dict(spec.config), dtype="auto",
+                        load_format=spec.vllm_format, enforce_eager=True, max_model_len=128,
+                        skip_tokenizer_init=True, seed=0, **spec.vllm_args).create_engine_config()
     target = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
     # What earlier loads left behind (none, if every model was freed): a load that leaks its model
     # would show here, long before the GPU runs out of memory.
@@ -766,8 +747,7 @@ def loads_main(spec: dict) -> int:
     doc: dict = {"records": [], "first_use_s": {}, "skipped": {}, "limits": {"disk_gbps": [], "h2d_gbps": []},
                  "staging_bytes": int(FastloadConfig.from_env().memory_budget), "checkpoint_bytes": total}
     if spec["loaders"] == "choose":
-        chosen, skipped = choose_loaders(device)
-        loaders = [asdict(x) for x in chosen]
+        loaders, skipped = choose_loaders(device)
         doc["skipped"].update(skipped)
     else:
         loaders = list(spec["loaders"])
@@ -780,9 +760,9 @@ def loads_main(spec: dict) -> int:
     for loader in list(loaders):  # first use: CUDA, kernels and libraries start once per process
         try:
             rec = timed_load(spec["warmup"], loader, device)
-            doc["first_use_s"][loader["name"]] = round(rec["load_model_s"], 3)
+            doc["first_use_s"][loader] = round(rec["load_model_s"], 3)
         except Exception as exc:
-            doc["skipped"][loader["name"]] = f"failed on the small checkpoint: {type(exc).__name__}: {exc}"[:400]
+            doc["skipped"][loader] = f"failed on the small checkpoint: {type(exc).__name__}: {exc}"[:400]
             loaders.remove(loader)
     print(f"first use (small checkpoint, untimed): {doc['first_use_s']}; left out: {doc['skipped'] or 'none'}",
           flush=True)
@@ -827,14 +807,14 @@ def loads_main(spec: dict) -> int:
                     rec = timed_load(model, loader, device)
                 except Exception as exc:
                     rec = {"error": f"{type(exc).__name__}: {exc}"[:400]}
-                rec.update(rep=rep + 1, cache=cache, loader=loader["name"], checkpoint_bytes=total,
+                rec.update(rep=rep + 1, cache=cache, loader=loader, checkpoint_bytes=total,
                            resident_before=state["resident"])
                 doc["records"].append(rec)
                 _write(out, doc)
                 shown = (f"load_model {rec['load_model_s']:.2f} s (load_weights {rec['load_weights_s']:.2f}, post "
                          f"{rec['post_s']:.2f}), peak GPU +{rec['peak_driver_bytes'] / GB:.2f} GB"
                          if "error" not in rec else f"FAILED {rec['error']}")
-                print(f"rep {rep + 1} {cache:<4} {loader['name']:<17} {shown}", flush=True)
+                print(f"rep {rep + 1} {cache:<4} {loader:<17} {shown}", flush=True)
         rep_s = time.monotonic() - began
     if time.monotonic() + 15 < deadline:
         limits()

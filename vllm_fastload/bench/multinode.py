@@ -41,8 +41,9 @@ from pathlib import Path
 from typing import Any
 
 from vllm_fastload.bench.cache import evict
+from vllm_fastload.bench.loaders import LOADERS, check_known
 from vllm_fastload.bench.logs import root_cause
-from vllm_fastload.bench.vllm import LLM_KWARGS, LOADERS, parse_target_spec
+from vllm_fastload.bench.vllm import parse_target_spec
 from vllm_fastload.tools.checkpoints import write_checkpoint
 from vllm_fastload.tools.processes import remove_logged_cpu_shm
 from vllm_fastload.tools.vllm_server import free_port, vllm_env
@@ -173,12 +174,14 @@ def start_two_nodes(models: list[str], loader: str, layout: str, envs: list[dict
                     timeout: float = 900) -> dict:
     """One two-node start: node 1 headless, then node 0's ``LLM``; the ranks' records (``worker_hooks``),
     each node's log and its early-reads share."""
-    load_format, extra = LOADERS[loader]
+    spec = LOADERS[loader]
+    load_format, extra = spec.vllm_format, dict(spec.config)
+    assert load_format is not None, f"{loader} is no vLLM loader"
     pp, tp = LAYOUTS[layout]
     probe = Path(tempfile.mkdtemp(dir=work))
     port = free_port()
     kwargs: dict[str, Any] = {"pipeline_parallel_size": pp, "nnodes": 2, "master_addr": "127.0.0.1",
-                              "master_port": port, **LLM_KWARGS.get(loader, {})}
+                              "master_port": port, **spec.vllm_args}
     if pp > 1:
         kwargs.update(enforce_eager=False, compilation_config=PP_COMPILATION)
     site = str(Path(__file__).parent / "site")
@@ -262,9 +265,7 @@ def main(args: argparse.Namespace) -> int:
     if layout not in LAYOUTS:
         raise SystemExit(f"--layout {layout!r}: expected one of {', '.join(LAYOUTS)}")
     loaders = args.loaders.split(",") if args.loaders else SOURCE_LOADERS[source]
-    unknown = [n for n in loaders if n not in LOADERS]
-    if unknown:
-        raise SystemExit(f"unknown loader(s) {', '.join(unknown)}; known: {', '.join(LOADERS)}")
+    check_known(loaders, "vllm")
     targets = parse_targets(args.targets)
     local = Path(args.model or write_checkpoint(".fastload/netfs-llama", "netfs-llama", files=4))
     total = sum(p.stat().st_size for p in local.glob("*.safetensors"))
@@ -305,7 +306,7 @@ def _node_of(rank: int) -> int:
 
 
 def _start(nodes: NodeSources, name: str, layout: str, work: Path) -> dict:
-    if name != "safetensors+download":
+    if not LOADERS[name].download:
         return start_two_nodes(nodes.models, name, layout, nodes.envs, work)
     copies, seconds = zip(*(nodes.download(n) for n in range(2)))
     downloaded = nodes.take()

@@ -16,6 +16,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from vllm_fastload.bench import objstore
+from vllm_fastload.bench.loaders import LOADERS
 
 PREFIX = "checkpoint"
 
@@ -83,7 +84,7 @@ class S3Bench:
         copy for the default loader; server-side byte counts added to the result."""
         for proxy in (self.shared, *self.rank_proxies):
             proxy.take()
-        if name != "safetensors+download":
+        if not LOADERS[name].download:
             res = start(self.uri, self.env(tp))
             if "error" not in res:
                 res["served_per_rank"] = [p.take()[0] for p in self.rank_proxies[:tp]]

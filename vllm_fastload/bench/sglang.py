@@ -8,10 +8,11 @@ interleaved within every repetition (each repetition starts with the next loader
 drop the checkpoint from the page cache before every start, the warm rows read it in first.
 
 The loaders: fastload (its early reads on, as a user gets them), SGLang's default loader
-(``auto``), and the default loader with SGLang's own cold-start aid, ``--startup-weight-load-mode
-overlap`` (it stages the checkpoint's files while CUDA graphs are captured). SGLang refuses
-overlap where it cannot run it (it needs CUDA graphs: not on a CPU); a loader whose start fails is
-not started again at that TP, and the table shows why.
+(``safetensors``: ``--load-format auto``), and the default loader with SGLang's own cold-start aid
+(``safetensors-overlap``: ``--startup-weight-load-mode overlap``; it stages the checkpoint's files
+while CUDA graphs are captured). SGLang refuses overlap where it cannot run it (it needs CUDA
+graphs: not on a CPU); a loader whose start fails is not started again at that TP, and the table
+shows why.
 """
 
 from __future__ import annotations
@@ -25,21 +26,20 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from vllm_fastload.bench.cache import evict, warm
+from vllm_fastload.bench.loaders import LOADERS, check_known
 from vllm_fastload.bench.logs import root_cause
 from vllm_fastload.bench.machine import MachineState
 from vllm_fastload.tools.checkpoints import write_checkpoint
 from vllm_fastload.tools.sglang_server import SMALL_MODEL_FLAGS, ServerExited, SglangServer, sglang_env
 
-#: name -> SGLang arguments that select the loader.
-LOADERS: dict[str, list[str]] = {
-    "fastload": ["--load-format", "fastload"],
-    "default": ["--load-format", "auto"],
-    "default+overlap": ["--load-format", "auto", "--startup-weight-load-mode", "overlap"],
-}
+#: The loaders measured unless ``--loaders`` says otherwise (``bench.loaders`` says what each is).
+SGLANG_LOADERS = ("fastload", "safetensors", "safetensors-overlap")
 #: The cold-start targets (issue: the cold start costs what a warm one costs): name -> bound.
-TARGETS = {"fastload cold / fastload warm (weight load)": 1.15, "fastload cold / default cold (weight load)": 0.5,
-           "fastload cold / default+overlap cold (weight load)": 0.9, "fastload warm / default warm (weight load)": 1.0,
-           "fastload cold / default cold (ready)": 1.0, "read share per rank at TP=2": 0.56}
+TARGETS = {"fastload cold / fastload warm (weight load)": 1.15,
+           "fastload cold / safetensors cold (weight load)": 0.5,
+           "fastload cold / safetensors-overlap cold (weight load)": 0.9,
+           "fastload warm / safetensors warm (weight load)": 1.0,
+           "fastload cold / safetensors cold (ready)": 1.0, "read share per rank at TP=2": 0.56}
 
 
 @dataclass(frozen=True)
@@ -60,8 +60,8 @@ class Start:
 def start_once(model: str, loader: str, tp: int, log: Path) -> Start:
     """Start SGLang with ``loader`` on ``model`` at ``tp``, stop it once ready; its numbers."""
     env = sglang_env(tp, FASTLOAD_PROGRESS="false")
-    server = SglangServer(model, [*LOADERS[loader], *SMALL_MODEL_FLAGS], tp=tp, log_path=log, env=env,
-                          startup_timeout=900)
+    server = SglangServer(model, [*(LOADERS[loader].sglang_args or ()), *SMALL_MODEL_FLAGS], tp=tp, log_path=log,
+                          env=env, startup_timeout=900)
     try:
         server.start()
     except (ServerExited, TimeoutError):
@@ -145,8 +145,8 @@ def table(rows: list[dict]) -> str:
         if "error" in r:
             lines.append(f"{head} did not start: {r['error']} | | | | | |")
             continue
-        base = _find(rows, r["tp"], r["cache"], "default")
-        if base is None or "error" in base or r["loader"] == "default":
+        base = _find(rows, r["tp"], r["cache"], "safetensors")
+        if base is None or "error" in base or r["loader"] == "safetensors":
             load_vs = ready_vs = "-"
         else:
             load_vs = f"{r['load_median'] / base['load_median']:.2f}x"
@@ -180,13 +180,14 @@ def verdicts(rows: list[dict], tps: list[int]) -> list[str]:
     for tp in tps:
         ratio("fastload cold / fastload warm (weight load)", tp, ("cold", "fastload"), ("warm", "fastload"),
               "load_median")
-        ratio("fastload cold / default cold (weight load)", tp, ("cold", "fastload"), ("cold", "default"),
+        ratio("fastload cold / safetensors cold (weight load)", tp, ("cold", "fastload"), ("cold", "safetensors"),
               "load_median")
-        ratio("fastload cold / default+overlap cold (weight load)", tp, ("cold", "fastload"),
-              ("cold", "default+overlap"), "load_median")
-        ratio("fastload warm / default warm (weight load)", tp, ("warm", "fastload"), ("warm", "default"),
+        ratio("fastload cold / safetensors-overlap cold (weight load)", tp, ("cold", "fastload"),
+              ("cold", "safetensors-overlap"), "load_median")
+        ratio("fastload warm / safetensors warm (weight load)", tp, ("warm", "fastload"), ("warm", "safetensors"),
               "load_median")
-        ratio("fastload cold / default cold (ready)", tp, ("cold", "fastload"), ("cold", "default"), "ready_median")
+        ratio("fastload cold / safetensors cold (ready)", tp, ("cold", "fastload"), ("cold", "safetensors"),
+              "ready_median")
         if tp == 2:
             shares = [s for r in rows if r["tp"] == 2 and r["loader"] == "fastload" for s in r.get("read_share", [])]
             bound = TARGETS["read share per rank at TP=2"]
@@ -206,10 +207,8 @@ def main(args: argparse.Namespace) -> int:
     if args.model and not Path(args.model).is_dir():
         raise SystemExit(f"--model {args.model}: not a checkpoint directory (bench --engine sglang reads local ones)")
     model = args.model or str(write_checkpoint(".fastload/bench-llama", "bench-llama", files=4))
-    loaders = args.loaders.split(",") if args.loaders else list(LOADERS)
-    unknown = [name for name in loaders if name not in LOADERS]
-    if unknown:
-        raise SystemExit(f"unknown loader(s) {', '.join(unknown)} for --engine sglang; known: {', '.join(LOADERS)}")
+    loaders = args.loaders.split(",") if args.loaders else list(SGLANG_LOADERS)
+    check_known(loaders, "sglang", " for --engine sglang")
     tps = [int(t) for t in args.tp.split(",")]
     caches = (args.cache or "warm,cold").split(",")
     if not caches or set(caches) - {"warm", "cold"}:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import json
 import mmap
 import os
@@ -35,6 +34,7 @@ from typing import Any
 
 import vllm_fastload
 from vllm_fastload.bench.cache import evict, warm
+from vllm_fastload.bench.loaders import LOADERS, RENAMED, check_known, runs_on, why_not
 from vllm_fastload.bench.logs import root_cause
 from vllm_fastload.bench.machine import MachineState, release_memory
 from vllm_fastload.sources.hub import is_repo_id
@@ -44,87 +44,32 @@ from vllm_fastload.tools.quantize import SCHEMES, quantize_checkpoint
 from vllm_fastload.tools.vllm_server import vllm_env
 from vllm_fastload.tp_rules import rank_requests
 
-#: name -> (load format, extra config)
-LOADERS: dict[str, tuple[str, dict | None]] = {
-    "fastload": ("fastload", None),
-    "fastload-buffered": ("fastload", {"direct_io": "never"}),
-    # Each rank reads its own columns of row-parallel weights, or shares the reads of whole rows
-    # (by default: object stores, and local disks that are cold as the load begins); both without
-    # early reads, so that a cold start is still cold when the load begins.
-    "fastload-no-exchange": ("fastload", {"row_exchange": "never", "early_reads": "never"}),
-    "fastload-exchange": ("fastload", {"row_exchange": "always", "early_reads": "never"}),
-    # The path through the model's load_weights (whole tensors from iter_tensors), which fastload
-    # takes where its probe cannot describe a model's loading.
-    "fastload-whole": ("fastload", {"plan_per_rank": False}),
-    # vLLM's post-processing per decoder layer during the read (opt-in); without early reads, so that
-    # a cold load reads while it post-processes (compare with fastload-no-early).
-    "fastload-post-per-layer": ("fastload", {"post_per_layer": True, "early_reads": "never"}),
-    # Early reads (the checkpoint read into the page cache from the moment vLLM has its config):
-    # on every filesystem, and never.
-    "fastload-early": ("fastload", {"early_reads": "always"}),
-    "fastload-no-early": ("fastload", {"early_reads": "never"}),
-    # The reader on one thread: copies and the destinations' faults in one thread, none ahead.
-    "fastload-one-thread": ("fastload", {"threads": 1}),
-    "safetensors": ("safetensors", None),
-    "safetensors-mt": ("safetensors", {"enable_multithread_load": True, "num_threads": 8}),
-    "safetensors-prefetch": ("safetensors", None),
-    "runai_streamer": ("runai_streamer", None),
-    "runai_streamer-distributed": ("runai_streamer", {"distributed": True}),
-    "safetensors+download": ("safetensors", None),
-    "zerofill (floor)": ("zerofill", None),
-    "memcopy (copy floor)": ("memcopy", None),
-    "fastsafetensors": ("fastsafetensors", None),
-    "instanttensor": ("instanttensor", None),
-    # --model org/name: the same loaders given the Hub id (the rows without the suffix get its
-    # cached snapshot as a directory).
-    "fastload-hub-id": ("fastload", None),
-    "safetensors-hub-id": ("safetensors", None),
-}
-#: Loaders that are given the Hub id rather than a directory.
-HUB_ID_LOADERS = {"fastload-hub-id", "safetensors-hub-id"}
-#: Loaders that differ in ``LLM(...)`` arguments rather than in their extra config.
-LLM_KWARGS: dict[str, dict] = {"safetensors-prefetch": {"safetensors_load_strategy": "prefetch"}}
-#: The loaders a source measures unless ``--loaders`` says otherwise.
+#: The loaders a source measures unless ``--loaders`` says otherwise (``bench.loaders`` says what each is).
 SOURCE_LOADERS: dict[str, list[str]] = {
-    "local": ["fastload", "fastload-buffered", "safetensors", "safetensors-mt", "runai_streamer", "zerofill (floor)",
-              "memcopy (copy floor)", "fastsafetensors", "instanttensor"],
+    "local": ["fastload", "fastload-buffered", "safetensors", "safetensors-mt", "runai_streamer", "zerofill",
+              "memcopy", "fastsafetensors", "instanttensor"],
     "sshfs": ["fastload", "safetensors", "safetensors-prefetch"],
-    # safetensors+download: the default loader on a local copy, downloaded right before the start
-    # (its time is added to load_weights).
     "s3": ["fastload", "runai_streamer", "runai_streamer-distributed", "safetensors+download"],
     "hub": ["fastload", "fastload-hub-id", "safetensors", "safetensors-hub-id"],
 }
 #: Default page-cache states per source: a network filesystem is measured cold (its server's
 #: and the client's page cache evicted): a warm client cache would not be a network read.
 SOURCE_CACHE = {"local": "warm,cold", "sshfs": "cold", "s3": "cold", "hub": "warm,cold"}
-#: Reference loaders that read no file (see the module docstring).
-REFERENCES = {"zerofill (floor)", "memcopy (copy floor)"}
-#: runai_streamer-distributed: vLLM 0.32 reads ``distributed`` only on CUDA/ROCm (each rank
-#: fetches part of every file and broadcasts it over the device interconnect).
-CUDA_ONLY = {"fastsafetensors", "instanttensor", "runai_streamer-distributed"}
-NEEDS = {"runai_streamer": "runai_model_streamer", "runai_streamer-distributed": "runai_model_streamer",
-         "fastsafetensors": "fastsafetensors", "instanttensor": "instanttensor", "safetensors+download": "obstore"}
 
 
-def available_loaders() -> tuple[list[str], dict[str, str]]:
-    import torch
-
-    names, skipped = [], {}
-    for name in LOADERS:
-        if name in CUDA_ONLY and not torch.cuda.is_available():
-            skipped[name] = "needs CUDA"
-        elif name in NEEDS and importlib.util.find_spec(NEEDS[name]) is None:
-            skipped[name] = f"package {NEEDS[name]} not installed"
-        else:
-            names.append(name)
-    return names, skipped
+def start_args(name: str) -> list[str]:
+    """``start_vllm``'s arguments after the model: load format, TP aside, extra config and
+    ``LLM(...)`` arguments of loader ``name``, as JSON."""
+    loader = LOADERS[name]
+    assert loader.vllm_format is not None, f"{name} is no vLLM loader"
+    return [loader.vllm_format, json.dumps(dict(loader.config)) if loader.config else "",
+            json.dumps(dict(loader.vllm_args))]
 
 
 def run_once(model: str, loader: str, tp: int, work: Path, cache: str = "", env_extra: dict | None = None) -> dict:
-    load_format, extra = LOADERS[loader]
+    load_format, extra, kwargs = start_args(loader)
     probe_dir = Path(tempfile.mkdtemp(dir=work))
-    cmd = [sys.executable, "-m", "vllm_fastload.bench.start_vllm", model, load_format, str(tp),
-           json.dumps(extra) if extra else "", json.dumps(LLM_KWARGS.get(loader, {}))]
+    cmd = [sys.executable, "-m", "vllm_fastload.bench.start_vllm", model, load_format, str(tp), extra, kwargs]
     env = vllm_env(tp, FASTLOAD_DEV_BENCH_DIR=str(probe_dir), FASTLOAD_PROGRESS="false", FASTLOAD_DEV_BENCH_CACHE=cache,
                    **(env_extra or {}))
     # The timers (worker_hooks) are installed by this folder's sitecustomize in every vLLM process.
@@ -209,18 +154,26 @@ def bench_checkpoint(model: str | None) -> str:
 
 
 def select_loaders(source: str, loaders: str | None) -> tuple[list[str], dict[str, str]]:
-    """The loaders to measure: ``--loaders`` if given, else the source's defaults, of those that run here."""
-    names, skipped = available_loaders()
+    """The loaders to measure, in the table's order: ``--loaders`` if given, else the source's
+    defaults, of those that run here; and why each other one asked for does not."""
+    import torch
+
     wanted = loaders.split(",") if loaders else SOURCE_LOADERS[source]
-    if wanted is not None:
-        unknown = [w for w in wanted if w not in LOADERS and w not in {n.split(" ")[0] for n in LOADERS}]
-        if unknown:
-            raise SystemExit(f"unknown loader(s) {', '.join(unknown)}; known: {', '.join(LOADERS)}")
-        names = [n for n in names if n in wanted or n.split(" ")[0] in wanted]
-    if source != "s3" and "safetensors+download" in names:
-        raise SystemExit("safetensors+download needs --source s3 (it downloads the checkpoint from the store)")
-    if source != "hub" and HUB_ID_LOADERS & set(names):
-        raise SystemExit(f"{', '.join(sorted(HUB_ID_LOADERS & set(names)))}: need --model org/name (a Hub id)")
+    check_known(wanted, "vllm")
+    cuda = torch.cuda.is_available()
+    names, skipped = [], {}
+    for name in (n for n in runs_on("vllm") if n in wanted):
+        why = why_not(LOADERS[name], cuda)
+        if why is None:
+            names.append(name)
+        else:
+            skipped[name] = why
+    downloads = [n for n in names if LOADERS[n].download]
+    if source != "s3" and downloads:
+        raise SystemExit(f"{', '.join(downloads)} needs --source s3 (it downloads the checkpoint from the store)")
+    hub_ids = sorted(n for n in names if LOADERS[n].hub_id)
+    if source != "hub" and hub_ids:
+        raise SystemExit(f"{', '.join(hub_ids)}: need --model org/name (a Hub id)")
     return names, skipped
 
 
@@ -282,7 +235,7 @@ def run_bench(args: argparse.Namespace, model: str, source: str, wanted_targets:
                     else:
                         warm(files)  # a cold row may have evicted them
                     if hub is not None:
-                        res = run_once(hub.repo_id if name in HUB_ID_LOADERS else model, name, tp, work, cache,
+                        res = run_once(hub.repo_id if LOADERS[name].hub_id else model, name, tp, work, cache,
                                        hub.env)
                     elif s3 is None:
                         res = run_once(model, name, tp, work, cache)
@@ -337,6 +290,8 @@ def report(path: Path, targets: str | None) -> int:
     try:
         saved = json.loads(path.read_text())
         rows, source = saved["rows"], saved["source"]
+        for row in rows:  # a saved run may name a loader otherwise
+            row["loader"] = RENAMED.get(row["loader"], row["loader"])
         bounds = saved.get("bounds")
         if bounds is None:  # a run saved before its bounds were: the disk speed it measured
             disk = (saved.get("machine") or {}).get("disk_read_gbps") or []
@@ -476,7 +431,7 @@ def print_phase_table(rows: list[dict]) -> None:
 
 
 # -- targets -------------------------------------------------------------------------------
-FLOOR = "zerofill (floor)"
+FLOOR = "zerofill"
 #: name -> (default limit, what it checks). Ratios of medians unless said otherwise.
 TARGETS: dict[str, tuple[float, str]] = {
     "cold-tp1": (0.75, "TP=1 cold: fastload / default loader"),
@@ -691,7 +646,7 @@ def chart(rows: list[dict], path: Path, title: str = "vLLM load_weights by loade
     ok = [r for r in rows if "error" not in r]
     labels = [f"{r['loader']}\nTP={r['tp'][2:]} {r['cache']}" for r in ok]
     fig, ax = plt.subplots(figsize=(max(6, len(ok) * 0.9), 4.5))
-    colors = ["tab:green" if r["loader"] == "fastload" else "tab:gray" if r["loader"] in REFERENCES
+    colors = ["tab:green" if r["loader"] == "fastload" else "tab:gray" if LOADERS[r["loader"]].reference
               else "tab:blue" for r in ok]
     ax.bar(range(len(ok)), [r["seconds_median"] for r in ok], color=colors)
     ax.set_xticks(range(len(ok)), labels, rotation=60, ha="right", fontsize=7)
