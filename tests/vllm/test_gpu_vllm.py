@@ -117,5 +117,5 @@ def test_the_run_stays_inside_its_budget_and_leaves_few_files(dry_run):
     files = sorted(p.name for p in out.iterdir())
     assert files == sorted(["gpu-vllm.log", *gpu_vllm.FILES]), files  # a device call brings 8 back at most
     table = (out / "gpu-vllm.md").read_text()
-    assert "| cold | fastload |" in table and "| target | value | bound | verdict |" in table
+    assert "| cold | fastload |" in table and "| target | value | limit | verdict |" in table
     assert "LLM(...) with fastload" in (out / "gpu-vllm-logs.txt").read_text()

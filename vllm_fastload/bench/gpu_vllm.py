@@ -48,6 +48,7 @@ from pathlib import Path
 
 from vllm_fastload.bench import cache as page_cache
 from vllm_fastload.bench.loaders import LOADERS, why_not
+from vllm_fastload.bench.targets import limit_text, mark, print_verdicts, verdict
 from vllm_fastload.tools.checkpoints import LLAMA3_8B, ModelSpec, write_random_checkpoint
 
 GB = 1e9
@@ -478,21 +479,19 @@ def _row(rows: list[dict], cache: str, loader: str) -> dict | None:
 
 def targets(result: dict, rows: list[dict]) -> list[dict]:
     """The verdicts the GPU run is judged on; a target whose rows were not measured says so."""
-    verdicts: list[dict] = []
-
-    def verdict(label: str, value: float | None, bound: float, at_least: bool = False, detail: str = "") -> None:
-        ok = None if value is None else (value >= bound if at_least else value <= bound)
-        verdicts.append({"target": label, "value": value, "bound": bound, "at_least": at_least, "ok": ok,
-                         "detail": detail})
-
     ver = result.get("verify")
     differing = None if not ver or not ver.get("checkpoints") else sum(
         sum(c["differing"]) + (1 if c["error"] else 0) for c in ver["checkpoints"])
-    verdict("verify: differing parameters (and failed checkpoints), all checkpoints", differing, 0)
     gen = result.get("generate")
     same = None if not gen or not all("tokens" in r for r in gen["runs"].values()) else (
         0.0 if gen["identical_tokens"] else 1.0)
-    verdict("generate: greedy tokens differ (1) or not (0), fastload vs default", same, 0)
+    return [verdict("verify: differing parameters (and failed checkpoints), all checkpoints", differing, 0,
+                    required=False),
+            verdict("generate: greedy tokens differ (1) or not (0), fastload vs default", same, 0, required=False),
+            *_load_verdicts(result, rows)]
+
+
+def _load_verdicts(result: dict, rows: list[dict]) -> list[dict]:
     limits = (result.get("loads") or {}).get("limits", {})
     disk = statistics.median(limits["disk_gbps"]) if limits.get("disk_gbps") else None
     h2d = statistics.median(limits["h2d_gbps"]) if limits.get("h2d_gbps") else None
@@ -502,26 +501,28 @@ def targets(result: dict, rows: list[dict]) -> list[dict]:
     def ratio(a: dict | None, b: dict | None, key: str = "load_model_median") -> float | None:
         return a[key] / b[key] if a and b and a.get(key) and b.get(key) else None
 
-    verdict("cold load_model: fastload / default", ratio(cold, cold_base), 0.6)
     anchors = [r for r in (_row(rows, "cold", "fastsafetensors"), _row(rows, "cold", "instanttensor")) if r]
     fastest = min(anchors, key=lambda r: r["load_model_median"]) if anchors else None
-    verdict("cold load_model: fastload / the faster of fastsafetensors and instanttensor", ratio(cold, fastest), 1.0,
-            detail=f"{fastest['loader']}" if fastest else "neither measured")
-    verdict("cold: fastload's read rate (checkpoint / load_weights) / the disk's O_DIRECT rate",
-            cold["read_gbps"] / disk if cold and cold.get("read_gbps") and disk else None, 0.9, at_least=True,
-            detail=f"disk {disk:.2f} GB/s" if disk else "disk rate not measured")
-    verdict("warm load_model: fastload / default", ratio(warm, warm_base), 1.0)
-    verdict("warm: fastload's read rate into the GPU / the pinned host-to-device copy rate",
-            warm["read_gbps"] / h2d if warm and warm.get("read_gbps") and h2d else None, 0.8, at_least=True,
-            detail=f"H2D {h2d:.2f} GB/s" if h2d else "no pinned H2D rate (no GPU)")
     budget = (result.get("loads") or {}).get("staging_bytes")
     fl_peak = max((r["peak_driver_bytes"] for r in (cold, warm) if r), default=None)
     base_peak = max((r["peak_driver_bytes"] for r in (cold_base, warm_base) if r), default=None)
-    verdict("GPU memory: fastload's peak - (default's peak + fastload's staging budget), GB",
-            (fl_peak - base_peak - budget) / GB if fl_peak is not None and base_peak is not None and budget is not None
-            and result["device"] == "cuda" else None, 0.0,
-            detail="driver-level used memory during load_model" if result["device"] == "cuda" else "no GPU")
-    return verdicts
+    gpu = result["device"] == "cuda"
+    return [
+        verdict("cold load_model: fastload / default", ratio(cold, cold_base), 0.6, required=False),
+        verdict("cold load_model: fastload / the faster of fastsafetensors and instanttensor", ratio(cold, fastest),
+                1.0, f"{fastest['loader']}" if fastest else "neither measured", required=False),
+        verdict("cold: fastload's read rate (checkpoint / load_weights) / the disk's O_DIRECT rate",
+                cold["read_gbps"] / disk if cold and cold.get("read_gbps") and disk else None, 0.9,
+                f"disk {disk:.2f} GB/s" if disk else "disk rate not measured", at_least=True, required=False),
+        verdict("warm load_model: fastload / default", ratio(warm, warm_base), 1.0, required=False),
+        verdict("warm: fastload's read rate into the GPU / the pinned host-to-device copy rate",
+                warm["read_gbps"] / h2d if warm and warm.get("read_gbps") and h2d else None, 0.8,
+                f"H2D {h2d:.2f} GB/s" if h2d else "no pinned H2D rate (no GPU)", at_least=True, required=False),
+        verdict("GPU memory: fastload's peak - (default's peak + fastload's staging budget), GB",
+                (fl_peak - base_peak - budget) / GB if fl_peak is not None and base_peak is not None
+                and budget is not None and gpu else None, 0.0,
+                "driver-level used memory during load_model" if gpu else "no GPU", required=False),
+    ]
 
 
 def report(result: dict, out: Path) -> None:
@@ -529,19 +530,42 @@ def report(result: dict, out: Path) -> None:
     loads = result.get("loads") or {}
     rows = summarize_loads(loads)
     result["rows"] = rows
-    lines = []
     limits = loads.get("limits", {})
     lim = ", ".join(f"{k.removesuffix('_gbps')} {', '.join(f'{v:.2f}' for v in vs)} GB/s"
                     for k, vs in limits.items() if k.endswith("_gbps") and vs)
     if limits:
         _say(f"limits measured in the loads process: {lim or 'none'}; {limits.get('note', '')}")
-    gpu = result["device"] == "cuda"
-    head = (f"{'cache':<5} {'loader':<17} {'n':>2} {'load_model s':>13} {'min-max':>13} {'load_weights s':>15} "
-            f"{'GB/s':>6} {'post s':>7} {'peak GPU GB' if gpu else 'peak RSS GB':>12} {'drv GB':>7} {'cached':>7}")
-    _say("\n" + head)
+    lines = _loads_table(rows, result["device"] == "cuda")
+    few = [f"{r['cache']} {r['loader']}" for r in rows if "error" not in r and r["runs"] < 2]
+    if few:
+        _say(f"FEWER THAN 2 REPETITIONS (the budget ran out): {', '.join(few)}; {loads.get('stopped', '')}")
+    elif loads.get("stopped"):
+        _say(f"repetitions: {loads['stopped']}")
+    _print_phases(rows, loads)
+    lines += _generate_table(result.get("generate"))
+    verdicts = targets(result, rows)
+    result["targets"] = verdicts
+    print_verdicts(verdicts, _say)
+    lines += ["", "| target | value | limit | verdict |", "| --- | --- | --- | --- |"]
+    for v in verdicts:
+        value = "-" if v["value"] is None else f"{v['value']:.3f}"
+        lines.append(f"| {v['target']} | {value} | {limit_text(v)} | {mark(v)} |")
+    for name, why in result["skipped"].items():
+        _say(f"  not measured: {name}: {why}")
+    (out / FILES[1]).write_text("\n".join(lines) + "\n")
+    # The exit status: exactness where it was measured, and no step that failed outright. Speed
+    # verdicts are printed and kept in the JSON; they do not fail the run.
+    exactness = [v for v in verdicts if v["target"].startswith(("verify", "generate")) and v["ok"] is not None]
+    result["ok"] = all(v["ok"] for v in exactness) and "error" not in loads
+
+
+def _loads_table(rows: list[dict], gpu: bool) -> list[str]:
+    """Print the loads' table; its markdown lines."""
+    _say(f"\n{'cache':<5} {'loader':<17} {'n':>2} {'load_model s':>13} {'min-max':>13} {'load_weights s':>15} "
+         f"{'GB/s':>6} {'post s':>7} {'peak GPU GB' if gpu else 'peak RSS GB':>12} {'drv GB':>7} {'cached':>7}")
     memory = "peak GPU GB (allocator / driver)" if gpu else "peak RSS GB"
-    lines += ["| cache | loader | n | load_model s (min-max) | load_weights s | read GB/s | post s | "
-              f"{memory} |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| cache | loader | n | load_model s (min-max) | load_weights s | read GB/s | post s | "
+             f"{memory} |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         if "error" in r:
             _say(f"{r['cache']:<5} {r['loader']:<17} FAILED: {r['error'][:200]}")
@@ -564,38 +588,21 @@ def report(result: dict, out: Path) -> None:
                 "in use before it (weights included)" if gpu else
                 "peak RSS: the process's resident memory during load_model beyond what it was before it")
              + "; cached: the most of the checkpoint in the page cache as a cold load began")
-    few = [f"{r['cache']} {r['loader']}" for r in rows if "error" not in r and r["runs"] < 2]
-    if few:
-        _say(f"FEWER THAN 2 REPETITIONS (the budget ran out): {', '.join(few)}; {loads.get('stopped', '')}")
-    elif loads.get("stopped"):
-        _say(f"repetitions: {loads['stopped']}")
-    _print_phases(rows, loads)
-    gen = result.get("generate")
-    if gen:
-        lines += ["", "| LLM(...) start, cold | ready s | load_model s | tokens |", "| --- | --- | --- | --- |"]
-        for name, run in gen["runs"].items():
-            if "tokens" in run:
-                lines.append(f"| {name} | {run['ready_s']:.1f} | {run.get('load_model_s', 0):.2f} | "
-                             f"{'identical' if gen['identical_tokens'] else 'DIFFERENT'} |")
-            else:
-                lines.append(f"| {name} | FAILED: {run.get('error', '')[:120]} | | |")
-    verdicts = targets(result, rows)
-    result["targets"] = verdicts
-    _say("\ntargets:")
-    lines += ["", "| target | value | bound | verdict |", "| --- | --- | --- | --- |"]
-    for v in verdicts:
-        mark = "not measured" if v["ok"] is None else ("ok" if v["ok"] else "MISSED")
-        value = "-" if v["value"] is None else f"{v['value']:.3f}"
-        _say(f"  [{mark}] {v['target']}: {value} ({'>=' if v['at_least'] else '<='} {v['bound']:g})"
-             + (f"  ({v['detail']})" if v["detail"] else ""))
-        lines.append(f"| {v['target']} | {value} | {v['bound']:g} | {mark} |")
-    for name, why in result["skipped"].items():
-        _say(f"  not measured: {name}: {why}")
-    (out / FILES[1]).write_text("\n".join(lines) + "\n")
-    # The exit status: exactness where it was measured, and no step that failed outright. Speed
-    # verdicts are printed and kept in the JSON; they do not fail the run.
-    exactness = [v for v in verdicts if v["target"].startswith(("verify", "generate")) and v["ok"] is not None]
-    result["ok"] = all(v["ok"] for v in exactness) and "error" not in loads
+    return lines
+
+
+def _generate_table(gen: dict | None) -> list[str]:
+    """The generation step's markdown lines (none where it did not run)."""
+    if not gen:
+        return []
+    lines = ["", "| LLM(...) start, cold | ready s | load_model s | tokens |", "| --- | --- | --- | --- |"]
+    for name, run in gen["runs"].items():
+        if "tokens" in run:
+            lines.append(f"| {name} | {run['ready_s']:.1f} | {run.get('load_model_s', 0):.2f} | "
+                         f"{'identical' if gen['identical_tokens'] else 'DIFFERENT'} |")
+        else:
+            lines.append(f"| {name} | FAILED: {run.get('error', '')[:120]} | | |")
+    return lines
 
 
 def _print_phases(rows: list[dict], loads: dict) -> None:

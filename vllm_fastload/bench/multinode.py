@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,8 @@ from typing import Any
 from vllm_fastload.bench.cache import evict
 from vllm_fastload.bench.loaders import LOADERS, check_known
 from vllm_fastload.bench.logs import root_cause
-from vllm_fastload.bench.vllm import parse_target_spec
+from vllm_fastload.bench.targets import Target, all_met, by_name, print_verdicts, verdict
+from vllm_fastload.bench.targets import parse_targets as parse_spec
 from vllm_fastload.tools.checkpoints import write_checkpoint
 from vllm_fastload.tools.processes import remove_logged_cpu_shm
 from vllm_fastload.tools.vllm_server import free_port, vllm_env
@@ -62,15 +64,15 @@ PP_COMPILATION = {"mode": 1, "backend": "eager"}
 #: The early-reads line of a node that reads its share (``model.early``).
 NODE_READS = re.compile(r"fastload: early reads: \d+ checkpoint files \([\d.]+ of [\d.]+ GB: ([\d.]+) of the "
                         r"checkpoint, ([\d.]+) of its layers; node \d of \d holds .*?\) into the page cache")
-#: Targets: name -> (limit, what it checks); ratios of medians.
-TARGETS = {
-    "nodes-bytes": (1.10, "bytes both nodes pulled from the server / checkpoint, fastload"),
-    "nodes-default": (0.60, "fastload / default loader, load_weights of the slowest rank"),
-    "nodes-prefetch": (1.00, "fastload / the default loader's prefetch strategy, load_weights"),
-    "nodes-early": (0.55, "PP: each node's early reads / the checkpoint's layers (embeddings and head aside)"),
-    "nodes-cached": (-0.90, "PP: the smallest share of its bytes a rank found in the page cache, negated "
-                            "(-0.90: at least 90%)"),
-}
+#: Ratios of medians unless said otherwise.
+TARGETS = by_name(
+    Target("nodes-bytes", 1.10, "bytes both nodes pulled from the server / checkpoint, fastload"),
+    Target("nodes-default", 0.60, "fastload / default loader, load_weights of the slowest rank"),
+    Target("nodes-prefetch", 1.00, "fastload / the default loader's prefetch strategy, load_weights"),
+    Target("nodes-early", 0.55, "PP: each node's early reads / the checkpoint's layers (embeddings and head aside)"),
+    Target("nodes-cached", -0.90, "PP: the smallest share of its bytes a rank found in the page cache, negated "
+                                  "(-0.90: at least 90%)"),
+)
 
 
 class NodeSources:
@@ -254,7 +256,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 def parse_targets(spec: str | None) -> dict[str, float]:
     """``--targets`` of ``bench --nodes 2``: ``all`` or names from TARGETS, each with an optional limit."""
-    return parse_target_spec(spec, {name: limit for name, (limit, _) in TARGETS.items()}, TARGETS, " for --nodes 2")
+    return parse_spec(spec, TARGETS, where=" for --nodes 2")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -291,14 +293,12 @@ def main(args: argparse.Namespace) -> int:
     rows = summarize(results, total)
     print_table(rows, total, source, layout)
     verdicts = check(rows, targets, layout)
-    for v in verdicts:
-        print(f"  {'ok  ' if v['ok'] else 'MISS'} {v['target']}: "
-              + (f"{v['value']:.3f}" if v["value"] is not None else "-") + f" (limit {v['limit']:g}; {v['detail']})")
+    print_verdicts(verdicts)
     out = Path(args.out) / f"bench-vllm-nodes-{source}-{layout}.json"
     out.write_text(json.dumps({"source": source, "layout": layout, "checkpoint_bytes": total, "rows": rows,
                                "raw": results, "targets": verdicts}, indent=2))
     print(f"wrote {out}")
-    return 1 if any(not v["ok"] for v in verdicts) else 0
+    return 0 if all_met(verdicts) else 1
 
 
 def _node_of(rank: int) -> int:
@@ -388,31 +388,47 @@ def print_table(rows: list[dict], total: int, source: str, layout: str) -> None:
 
 
 def check(rows: list[dict], targets: dict[str, float], layout: str) -> list[dict]:
-    verdicts = []
     fl = _row(rows, "fastload")
+    if fl is None:
+        return [verdict(name, None, limit, "fastload not measured") for name, limit in targets.items()]
+    verdicts = []
     for name, limit in targets.items():
-        value: float | None = None
-        if fl is None:
-            detail = "fastload not measured"
-        elif name == "nodes-bytes":
-            value, detail = fl["pulled_median"], TARGETS[name][1]
-            base = _row(rows, "safetensors") or _row(rows, "runai_streamer")
-            if base:
-                detail += f"; {base['loader']}: {base['pulled_median']:.2f}x"
-        elif name in ("nodes-default", "nodes-prefetch"):
-            other = _row(rows, "safetensors" if name == "nodes-default" else "safetensors-prefetch") or (
-                _row(rows, "runai_streamer") if name == "nodes-default" else None)
-            value = fl["seconds_median"] / other["seconds_median"] if other else None
-            detail = TARGETS[name][1] if other else "rows not measured"
-        elif name == "nodes-early":
-            value, detail = fl["early_layers_max"], TARGETS[name][1]
-            if value is None:  # early reads off on this source by default: the early row says it
-                early = _row(rows, "fastload-early")
-                value = early["early_layers_max"] if early else None
-                detail += " (fastload-early)"
-        else:
-            cached = fl["own_cached_min"]
-            value, detail = (-cached if cached is not None else None), TARGETS[name][1]
-        ok = value is not None and value <= limit
-        verdicts.append({"target": name, "value": value, "limit": limit, "ok": ok, "detail": detail})
+        value, detail = _JUDGES[name](rows, fl)
+        verdicts.append(verdict(name, value, limit, detail))
     return verdicts
+
+
+def _bytes(rows: list[dict], fl: dict) -> tuple[float | None, str]:
+    detail = TARGETS["nodes-bytes"].what
+    base = _row(rows, "safetensors") or _row(rows, "runai_streamer")
+    return fl["pulled_median"], detail + (f"; {base['loader']}: {base['pulled_median']:.2f}x" if base else "")
+
+
+def _ratio_to(name: str, other: dict | None, fl: dict) -> tuple[float | None, str]:
+    if other is None:
+        return None, "rows not measured"
+    return fl["seconds_median"] / other["seconds_median"], TARGETS[name].what
+
+
+def _early(rows: list[dict], fl: dict) -> tuple[float | None, str]:
+    detail = TARGETS["nodes-early"].what
+    if fl["early_layers_max"] is not None:
+        return fl["early_layers_max"], detail
+    early = _row(rows, "fastload-early")  # early reads off on this source by default: the early row says it
+    return (early["early_layers_max"] if early else None), detail + " (fastload-early)"
+
+
+def _cached(rows: list[dict], fl: dict) -> tuple[float | None, str]:
+    cached = fl["own_cached_min"]
+    return (-cached if cached is not None else None), TARGETS["nodes-cached"].what
+
+
+#: How each target is judged: (value, detail) from the rows and fastload's.
+_JUDGES: Mapping[str, Callable[[list[dict], dict], tuple[float | None, str]]] = {
+    "nodes-bytes": _bytes,
+    "nodes-default": lambda rows, fl: _ratio_to("nodes-default", _row(rows, "safetensors")
+                                                or _row(rows, "runai_streamer"), fl),
+    "nodes-prefetch": lambda rows, fl: _ratio_to("nodes-prefetch", _row(rows, "safetensors-prefetch"), fl),
+    "nodes-early": _early,
+    "nodes-cached": _cached,
+}

@@ -29,17 +29,29 @@ from vllm_fastload.bench.cache import evict, warm
 from vllm_fastload.bench.loaders import LOADERS, check_known
 from vllm_fastload.bench.logs import root_cause
 from vllm_fastload.bench.machine import MachineState
+from vllm_fastload.bench.targets import Target, all_met, by_name, parse_targets, print_verdicts, verdict
 from vllm_fastload.tools.checkpoints import write_checkpoint
 from vllm_fastload.tools.sglang_server import SMALL_MODEL_FLAGS, ServerExited, SglangServer, sglang_env
 
 #: The loaders measured unless ``--loaders`` says otherwise (``bench.loaders`` says what each is).
 SGLANG_LOADERS = ("fastload", "safetensors", "safetensors-overlap")
-#: The cold-start targets (issue: the cold start costs what a warm one costs): name -> bound.
-TARGETS = {"fastload cold / fastload warm (weight load)": 1.15,
-           "fastload cold / safetensors cold (weight load)": 0.5,
-           "fastload cold / safetensors-overlap cold (weight load)": 0.9,
-           "fastload warm / safetensors warm (weight load)": 1.0,
-           "fastload cold / safetensors cold (ready)": 1.0, "read share per rank at TP=2": 0.56}
+#: The cold-start targets (a cold start costs what a warm one costs); ratios of medians.
+TARGETS = by_name(
+    Target("weights-cold-warm", 1.15, "fastload cold / fastload warm, weight load"),
+    Target("weights-cold", 0.5, "fastload cold / safetensors cold, weight load"),
+    Target("weights-cold-overlap", 0.9, "fastload cold / safetensors-overlap cold, weight load"),
+    Target("weights-warm", 1.0, "fastload warm / safetensors warm, weight load"),
+    Target("ready-cold", 1.0, "fastload cold / safetensors cold, process start to ready"),
+    Target("share-tp2", 0.56, "TP=2: the largest share of the checkpoint a fastload rank read"),
+)
+#: The ratio targets: name -> fastload's row (cache, loader), the other row, the medians compared.
+_RATIOS = {
+    "weights-cold-warm": (("cold", "fastload"), ("warm", "fastload"), "load_median"),
+    "weights-cold": (("cold", "fastload"), ("cold", "safetensors"), "load_median"),
+    "weights-cold-overlap": (("cold", "fastload"), ("cold", "safetensors-overlap"), "load_median"),
+    "weights-warm": (("warm", "fastload"), ("warm", "safetensors"), "load_median"),
+    "ready-cold": (("cold", "fastload"), ("cold", "safetensors"), "ready_median"),
+}
 
 
 @dataclass(frozen=True)
@@ -159,41 +171,32 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def verdicts(rows: list[dict], tps: list[int]) -> list[str]:
-    """Each target at each TP: the ratio of the medians in ``rows``, met or missed, or why it is not measured."""
-    out = []
-
-    def ratio(name: str, tp: int, a: tuple[str, str], b: tuple[str, str], field: str) -> None:
-        ra, rb = _find(rows, tp, a[0], a[1]), _find(rows, tp, b[0], b[1])
-        bound = TARGETS[name]
-        missing = [f"{c} {loader}: {r['error'] if r and 'error' in r else 'not run'}"
-                   for (c, loader), r in ((a, ra), (b, rb)) if r is None or "error" in r]
-        if missing:
-            out.append(f"TP={tp} {name} <= {bound}: not measured ({'; '.join(missing)})")
-            return
-        assert ra is not None and rb is not None
-        value = ra[field] / rb[field]
-        saving = f", {rb[field] - ra[field]:+.2f} s saved" if field == "ready_median" else ""
-        out.append(f"TP={tp} {name} <= {bound}: {value:.2f}x ({ra[field]:.2f} / {rb[field]:.2f} s{saving}) "
-                   f"{'met' if value <= bound else 'MISSED'}")
-
-    for tp in tps:
-        ratio("fastload cold / fastload warm (weight load)", tp, ("cold", "fastload"), ("warm", "fastload"),
-              "load_median")
-        ratio("fastload cold / safetensors cold (weight load)", tp, ("cold", "fastload"), ("cold", "safetensors"),
-              "load_median")
-        ratio("fastload cold / safetensors-overlap cold (weight load)", tp, ("cold", "fastload"),
-              ("cold", "safetensors-overlap"), "load_median")
-        ratio("fastload warm / safetensors warm (weight load)", tp, ("warm", "fastload"), ("warm", "safetensors"),
-              "load_median")
-        ratio("fastload cold / safetensors cold (ready)", tp, ("cold", "fastload"), ("cold", "safetensors"),
-              "ready_median")
-        if tp == 2:
-            shares = [s for r in rows if r["tp"] == 2 and r["loader"] == "fastload" for s in r.get("read_share", [])]
-            bound = TARGETS["read share per rank at TP=2"]
-            out.append(f"TP=2 read share per rank <= {bound}: " + (
-                f"{max(shares):.3f} {'met' if max(shares) <= bound else 'MISSED'}" if shares else "not measured"))
+def verdicts(rows: list[dict], tps: list[int], targets: dict[str, float] | None = None) -> list[dict]:
+    """Each target (``targets``: name -> limit; all of them by default) at each TP it applies to,
+    from the medians in ``rows``. One not measured is missed where ``targets`` asked for it, and
+    otherwise says why it was not measured."""
+    wanted = targets if targets is not None else {name: t.limit for name, t in TARGETS.items()}
+    required = targets is not None
+    out = [_ratio(rows, name, limit, tp, required) for tp in tps for name, limit in wanted.items() if name in _RATIOS]
+    if "share-tp2" in wanted and (2 in tps or required):
+        shares = [s for r in rows if r["tp"] == 2 and r["loader"] == "fastload" for s in r.get("read_share", [])]
+        out.append(verdict("share-tp2", max(shares) if shares else None, wanted["share-tp2"],
+                           "the largest share of the checkpoint a fastload rank read", tp="tp2", required=required))
     return out
+
+
+def _ratio(rows: list[dict], name: str, limit: float, tp: int, required: bool) -> dict:
+    a, b, field = _RATIOS[name]
+    ra, rb = _find(rows, tp, *a), _find(rows, tp, *b)
+    missing = [f"{c} {loader}: {r['error'] if r and 'error' in r else 'not run'}"
+               for (c, loader), r in ((a, ra), (b, rb)) if r is None or "error" in r]
+    if missing:
+        return verdict(name, None, limit, "; ".join(missing), tp=f"tp{tp}", required=required)
+    assert ra is not None and rb is not None
+    label = "ready" if field == "ready_median" else "weight load"
+    saved = f", {rb[field] - ra[field]:.2f} s saved" if field == "ready_median" else ""
+    return verdict(name, ra[field] / rb[field], limit, f"{label} {ra[field]:.2f} s ({a[0]} {a[1]}) / "
+                   f"{rb[field]:.2f} s ({b[0]} {b[1]}){saved}", tp=f"tp{tp}", required=required)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -209,6 +212,7 @@ def main(args: argparse.Namespace) -> int:
     model = args.model or str(write_checkpoint(".fastload/bench-llama", "bench-llama", files=4))
     loaders = args.loaders.split(",") if args.loaders else list(SGLANG_LOADERS)
     check_known(loaders, "sglang", " for --engine sglang")
+    wanted = parse_targets(args.targets, TARGETS, where=" for --engine sglang") if args.targets else None
     tps = [int(t) for t in args.tp.split(",")]
     caches = (args.cache or "warm,cold").split(",")
     if not caches or set(caches) - {"warm", "cold"}:
@@ -231,11 +235,11 @@ def main(args: argparse.Namespace) -> int:
     print("weight load: SGLang's 'Load weight end. elapsed' of the slowest rank; ready: the process's start to "
           "/health answering; medians (min-max)")
     print(table(rows))
-    checks = verdicts(rows, tps)
-    print("\n".join(checks))
+    checks = verdicts(rows, tps, wanted)
+    print_verdicts(checks)
     out = Path(args.out) / "bench-sglang.json"
     out.write_text(json.dumps({"model": model, "checkpoint_bytes": total, "sglang": sglang.__version__,
                                "rows": rows, "targets": checks, "machine": state.as_dict(),
                                "raw": {k: [asdict(s) for s in v] for k, v in results.items()}}, indent=1))
     print(f"wrote {out}; the servers' logs are in {work}")
-    return 0
+    return 0 if wanted is None or all_met(checks) else 1

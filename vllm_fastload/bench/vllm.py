@@ -28,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,8 @@ from vllm_fastload.bench.cache import evict, warm
 from vllm_fastload.bench.loaders import LOADERS, RENAMED, check_known, runs_on, why_not
 from vllm_fastload.bench.logs import root_cause
 from vllm_fastload.bench.machine import MachineState, release_memory
+from vllm_fastload.bench.targets import Target, all_met, by_name, print_verdicts, verdict
+from vllm_fastload.bench.targets import parse_targets as parse_spec
 from vllm_fastload.sources.hub import is_repo_id
 from vllm_fastload.tools.checkpoints import write_checkpoint, write_random_checkpoint
 from vllm_fastload.tools.processes import remove_logged_cpu_shm
@@ -281,7 +283,7 @@ def run_bench(args: argparse.Namespace, model: str, source: str, wanted_targets:
     chart(rows, out / f"{stem}.png", title=f"vLLM load_weights by loader, checkpoint on {fstype or source}")
     print(f"wrote {out / f'{stem}.json'} and {out / f'{stem}.png'}"
           + (" (time limit reached: some runs skipped)" if stopped_early else ""))
-    return 1 if any(not v["ok"] for v in verdicts) else 0
+    return 0 if all_met(verdicts) else 1
 
 
 def report(path: Path, targets: str | None) -> int:
@@ -303,7 +305,7 @@ def report(path: Path, targets: str | None) -> int:
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise SystemExit(f"--report {path}: not a JSON file written by vllm-fastload bench ({exc!r})") from None
     print_verdicts(verdicts)
-    return 1 if any(not v["ok"] for v in verdicts) else 0
+    return 0 if all_met(verdicts) else 1
 
 
 def summarize(results: dict[str, list[dict]], total: int) -> list[dict]:
@@ -432,69 +434,46 @@ def print_phase_table(rows: list[dict]) -> None:
 
 # -- targets -------------------------------------------------------------------------------
 FLOOR = "zerofill"
-#: name -> (default limit, what it checks). Ratios of medians unless said otherwise.
-TARGETS: dict[str, tuple[float, str]] = {
-    "cold-tp1": (0.75, "TP=1 cold: fastload / default loader"),
-    "cold-tp2": (0.60, "TP=2 cold: fastload / default loader"),
-    "warm-floor": (1.10, "TP=1 warm: fastload / zero-fill floor (at TP=2: weights-warm-tp2)"),
-    "warm-default": (0.0, "warm, every TP: fastload median - default median, at most the larger spread (max-min) "
-                          "of the two rows plus this many seconds"),
-    "disk-tp2": (0.56, "TP=2: disk bytes per rank / checkpoint bytes, every cache state"),
-    "netfs-default": (0.70, "network filesystem (--source sshfs), every TP, cold: fastload / default loader"),
-    "s3-bytes-tp2": (0.60, "object store, TP=2: bytes served per rank (server side) / checkpoint"),
-    "s3-runai-tp2": (0.60, "object store, TP=2: fastload / runai_streamer"),
-    "s3-runai-tp1": (1.00, "object store, TP=1: fastload / runai_streamer"),
-    "s3-limit-tp1": (1.25, "object store, TP=1: fastload seconds / the seconds the server's own limit allows "
-                           "(1.25: at least 80% of the limit)"),
-    "netfs-prefetch": (1.00, "network filesystem (--source sshfs), every TP, cold: fastload / the default "
-                             "loader's prefetch strategy"),
+#: Ratios of medians unless said otherwise.
+TARGETS = by_name(
+    Target("cold-tp1", 0.75, "TP=1 cold: fastload / default loader"),
+    Target("cold-tp2", 0.60, "TP=2 cold: fastload / default loader"),
+    Target("warm-floor", 1.10, "TP=1 warm: fastload / zero-fill floor (at TP=2: weights-warm-tp2)"),
+    Target("warm-default", 0.0, "warm, every TP: fastload median - default median, at most the larger spread "
+                                "(max-min) of the two rows plus this many seconds"),
+    Target("disk-tp2", 0.56, "TP=2: disk bytes per rank / checkpoint bytes, every cache state"),
+    Target("netfs-default", 0.70, "network filesystem (--source sshfs), every TP, cold: fastload / default loader"),
+    Target("s3-bytes-tp2", 0.60, "object store, TP=2: bytes served per rank (server side) / checkpoint"),
+    Target("s3-runai-tp2", 0.60, "object store, TP=2: fastload / runai_streamer"),
+    Target("s3-runai-tp1", 1.00, "object store, TP=1: fastload / runai_streamer"),
+    Target("s3-limit-tp1", 1.25, "object store, TP=1: fastload seconds / the seconds the server's own limit "
+                                 "allows (1.25: at least 80% of the limit)"),
+    Target("netfs-prefetch", 1.00, "network filesystem (--source sshfs), every TP, cold: fastload / the default "
+                                   "loader's prefetch strategy"),
     # What users wait for: vLLM's load_model and the time to ready, not load_weights alone.
-    "model-cold-warm": (1.15, "every TP: fastload's cold load_model / its own warm load_model"),
-    "model-cold-tp1": (0.65, "TP=1 cold: fastload / default loader, load_model"),
-    "model-cold-tp2": (0.70, "TP=2 cold: fastload / default loader, load_model"),
-    "model-warm": (1.00, "warm, every TP: fastload / default loader, load_model"),
-    "ready-cold": (1.00, "cold, every TP: fastload / default loader, process start to engine ready"),
-    "weights-warm-tp2": (1.00, "TP=2 warm: fastload / default loader, load_weights (at TP=2 the copy out of the "
-                               "page cache on the rank's core is the floor, not the zero-fill)"),
-    "hub-cold": (1.10, "--model org/name, cold, every TP: fastload given the Hub id / fastload given its cached "
-                       "snapshot as a directory, load_model"),
-}
-
-
+    Target("model-cold-warm", 1.15, "every TP: fastload's cold load_model / its own warm load_model"),
+    Target("model-cold-tp1", 0.65, "TP=1 cold: fastload / default loader, load_model"),
+    Target("model-cold-tp2", 0.70, "TP=2 cold: fastload / default loader, load_model"),
+    Target("model-warm", 1.00, "warm, every TP: fastload / default loader, load_model"),
+    Target("ready-cold", 1.00, "cold, every TP: fastload / default loader, process start to engine ready"),
+    Target("weights-warm-tp2", 1.00, "TP=2 warm: fastload / default loader, load_weights (at TP=2 the copy out "
+                                     "of the page cache on the rank's core is the floor, not the zero-fill)"),
+    Target("hub-cold", 1.10, "--model org/name, cold, every TP: fastload given the Hub id / fastload given its "
+                             "cached snapshot as a directory, load_model"),
+)
 #: Targets that ``--targets all`` means for each source (the others need rows it does not measure).
 SOURCE_TARGETS = {"local": ["cold-tp1", "cold-tp2", "warm-floor", "warm-default", "disk-tp2", "model-cold-warm",
                             "model-cold-tp1", "model-cold-tp2", "model-warm", "ready-cold", "weights-warm-tp2"],
                   "sshfs": ["netfs-default", "netfs-prefetch"],
                   "s3": ["s3-bytes-tp2", "s3-runai-tp2", "s3-runai-tp1", "s3-limit-tp1"],
                   "hub": ["hub-cold"]}
+_UNMEASURED = "rows not measured"
 
 
 def parse_targets(spec: str | None, source: str = "local") -> dict[str, float]:
     """``--targets all`` (this source's targets) or ``cold-tp1,disk-tp2=0.55``: names from TARGETS,
     optional own limits."""
-    return parse_target_spec(spec, {name: limit for name, (limit, _) in TARGETS.items()}, SOURCE_TARGETS[source])
-
-
-def parse_target_spec(spec: str | None, limits: dict[str, float], every: Iterable[str],
-                      where: str = "") -> dict[str, float]:
-    """``spec`` (``all``, or names from ``limits`` each with an optional ``=limit``) as each named
-    target's limit; ``all`` stands for ``every``. An unknown name or a limit that is no number
-    ends the command, ``where`` saying for which."""
-    if not spec:
-        return {}
-    out: dict[str, float] = {}
-    for item in spec.split(","):
-        name, _, value = item.strip().partition("=")
-        if name == "all":
-            out.update({n: limits[n] for n in every})
-            continue
-        if name not in limits:
-            raise SystemExit(f"unknown target {name!r}{where}; known: all, {', '.join(limits)}")
-        try:
-            out[name] = float(value) if value else limits[name]
-        except ValueError:
-            raise SystemExit(f"target {name}: {value!r} is not a number") from None
-    return out
+    return parse_spec(spec, TARGETS, SOURCE_TARGETS[source])
 
 
 def page_rounded_share(model: str, tp: int) -> float:
@@ -518,64 +497,63 @@ def check_targets(rows: list[dict], targets: dict[str, float],
 
     ``bounds`` (disk GB/s measured in the run, page-rounded share per rank) add the physical
     floor to the detail, so a target below it reads as such rather than as a loader to tune."""
-    verdicts = []
     known: dict[str, Any] = dict(bounds or {})
-
-    def verdict(name: str, tp: str, value: float | None, limit: float, detail: str) -> None:
-        ok = value is not None and value <= limit
-        verdicts.append({"target": name, "tp": tp, "value": value, "limit": limit, "ok": ok, "detail": detail})
-
-    for name, limit in targets.items():
-        if name in ("cold-tp1", "cold-tp2"):
-            tp = "tp" + name[-1]
-            fl, base = _row(rows, tp, "cold", "fastload"), _row(rows, tp, "cold", "safetensors")
-            value = fl["seconds_median"] / base["seconds_median"] if fl and base else None
-            detail = "fastload / default, cold" if value is not None else "rows not measured"
-            if fl and base and value is not None and known.get("disk_gbps"):
-                # Every byte of the checkpoint comes off the one disk once, whatever the ranks share.
-                floor = fl["checkpoint_bytes"] / 1e9 / known["disk_gbps"]
-                detail += (f"; the disk alone needs {floor:.2f} s for the checkpoint at "
-                           f"{known['disk_gbps']:.2f} GB/s = {floor / base['seconds_median']:.2f}x default")
-            verdict(name, tp, value, limit, detail)
-        elif name in ("netfs-default", "netfs-prefetch"):
-            other = "safetensors" if name == "netfs-default" else "safetensors-prefetch"
-            for tp in sorted({r["tp"] for r in rows if r["loader"] == "fastload"}) or ["tp?"]:
-                fl, base = _row(rows, tp, "cold", "fastload"), _row(rows, tp, "cold", other)
-                value = fl["seconds_median"] / base["seconds_median"] if fl and base else None
-                verdict(name, tp, value, limit, f"fastload / {other}, cold" if value is not None
-                        else "rows not measured")
-        elif name.startswith("s3-"):
-            _s3_verdict(rows, name, limit, verdict)
-        elif name.startswith(("model-", "ready-", "weights-", "hub-")):
-            _startup_verdict(rows, name, limit, verdict)
-        elif name == "disk-tp2":
-            fls = [r for r in rows if r["tp"] == "tp2" and r["loader"] == "fastload" and "error" not in r]
-            value = max(r["disk_read_per_rank"] / r["checkpoint_bytes"] for r in fls) if fls else None
-            detail = "disk bytes per rank / checkpoint" if fls else "rows not measured"
-            if fls and known.get("page_share_tp2"):
-                detail += f"; the rank's slices rounded out to whole pages: {known['page_share_tp2']:.3f}"
-            verdict(name, "tp2", value, limit, detail)
-        else:
-            tps = ["tp1"] if name == "warm-floor" else sorted({r["tp"] for r in rows if r["loader"] == "fastload"})
-            for tp in tps or ["tp?"]:
-                _warm_verdict(rows, name, tp, limit, verdict)
-    return verdicts
+    return [v for name, limit in targets.items() for v in _JUDGES[name](rows, name, limit, known)]
 
 
-def _s3_verdict(rows: list[dict], name: str, limit: float, verdict) -> None:
+def _fastload_tps(rows: list[dict]) -> list[str]:
+    """The TPs fastload was run at (a target judged at every TP), or a placeholder that reads as
+    not measured."""
+    return sorted({r["tp"] for r in rows if r["loader"] == "fastload"}) or ["tp?"]
+
+
+def _ratio(name: str, limit: float, tp: str, fl: dict | None, base: dict | None, detail: str,
+           key: str = "seconds_median") -> dict:
+    """``fl[key] / base[key]``, or not measured where a row is missing."""
+    if not (fl and base and fl.get(key) and base.get(key)):
+        return verdict(name, None, limit, _UNMEASURED, tp=tp)
+    return verdict(name, fl[key] / base[key], limit, detail, tp=tp)
+
+
+def _cold(rows: list[dict], name: str, limit: float, known: dict) -> list[dict]:
     tp = "tp" + name[-1]
-    fl = _row(rows, tp, "cold", "fastload")
-    if name == "s3-bytes-tp2":
-        value = fl["served_per_rank"] / fl["checkpoint_bytes"] if fl and "served_per_rank" in fl else None
-        verdict(name, tp, value, limit, "served per rank / checkpoint" if value is not None else "rows not measured")
-    elif name.startswith("s3-runai"):
-        base = _row(rows, tp, "cold", "runai_streamer")
-        value = fl["seconds_median"] / base["seconds_median"] if fl and base else None
-        verdict(name, tp, value, limit, "fastload / runai_streamer" if value is not None else "rows not measured")
-    else:  # s3-limit-tp1
-        gbps = fl.get("server_limit_gbps") if fl else None
-        value = fl["seconds_median"] / (fl["checkpoint_bytes"] / 1e9 / gbps) if fl and gbps else None
-        verdict(name, tp, value, limit, f"server limit {gbps:.3f} GB/s" if value is not None else "rows not measured")
+    fl, base = _row(rows, tp, "cold", "fastload"), _row(rows, tp, "cold", "safetensors")
+    detail = "fastload / default, cold"
+    if fl and base and known.get("disk_gbps"):
+        # Every byte of the checkpoint comes off the one disk once, whatever the ranks share.
+        floor = fl["checkpoint_bytes"] / 1e9 / known["disk_gbps"]
+        detail += (f"; the disk alone needs {floor:.2f} s for the checkpoint at "
+                   f"{known['disk_gbps']:.2f} GB/s = {floor / base['seconds_median']:.2f}x default")
+    return [_ratio(name, limit, tp, fl, base, detail)]
+
+
+def _netfs(rows: list[dict], name: str, limit: float, known: dict) -> list[dict]:
+    other = "safetensors" if name == "netfs-default" else "safetensors-prefetch"
+    return [_ratio(name, limit, tp, _row(rows, tp, "cold", "fastload"), _row(rows, tp, "cold", other),
+                   f"fastload / {other}, cold") for tp in _fastload_tps(rows)]
+
+
+def _s3_bytes(rows: list[dict], name: str, limit: float, known: dict) -> list[dict]:
+    fl = _row(rows, "tp2", "cold", "fastload")
+    if not (fl and "served_per_rank" in fl):
+        return [verdict(name, None, limit, _UNMEASURED, tp="tp2")]
+    return [verdict(name, fl["served_per_rank"] / fl["checkpoint_bytes"], limit, "served per rank / checkpoint",
+                    tp="tp2")]
+
+
+def _s3_runai(rows: list[dict], name: str, limit: float, known: dict) -> list[dict]:
+    tp = "tp" + name[-1]
+    return [_ratio(name, limit, tp, _row(rows, tp, "cold", "fastload"), _row(rows, tp, "cold", "runai_streamer"),
+                   "fastload / runai_streamer")]
+
+
+def _s3_limit(rows: list[dict], name: str, limit: float, known: dict) -> list[dict]:
+    fl = _row(rows, "tp1", "cold", "fastload")
+    gbps = fl.get("server_limit_gbps") if fl else None
+    if not (fl and gbps):
+        return [verdict(name, None, limit, _UNMEASURED, tp="tp1")]
+    return [verdict(name, fl["seconds_median"] / (fl["checkpoint_bytes"] / 1e9 / gbps), limit,
+                    f"server limit {gbps:.3f} GB/s", tp="tp1")]
 
 
 #: Start-up targets: name -> (metric, fastload's cache, the other row's cache, the other row's loader).
@@ -592,46 +570,61 @@ _STARTUP = {
 _STARTUP_LOADER = {"hub-cold": "fastload-hub-id"}
 
 
-def _startup_verdict(rows: list[dict], name: str, limit: float, verdict) -> None:
+def _startup(rows: list[dict], name: str, limit: float, known: dict) -> list[dict]:
     """A ratio of medians of fastload's row to another row of the same TP; for every TP measured
     unless the name ends in one."""
     metric, cache, other_cache, other = _STARTUP[name]
     named = re.search(r"-(tp\d+)$", name)
-    tps = [named.group(1)] if named else sorted({r["tp"] for r in rows if r["loader"] == "fastload"})
     loader = _STARTUP_LOADER.get(name, "fastload")
-    for tp in tps or ["tp?"]:
+    key = f"{metric}_median"
+    label = "load_weights" if metric == "seconds" else metric
+    out = []
+    for tp in [named.group(1)] if named else _fastload_tps(rows):
         fl, base = _row(rows, tp, cache, loader), _row(rows, tp, other_cache, other)
-        key = f"{metric}_median"
-        if not (fl and base and fl.get(key) and base.get(key)):
-            verdict(name, tp, None, limit, "rows not measured")
+        detail = (f"{label} {fl[key]:.2f} s ({cache} {loader}) / {base[key]:.2f} s ({other_cache} {other})"
+                  if fl and base and fl.get(key) and base.get(key) else "")
+        out.append(_ratio(name, limit, tp, fl, base, detail, key))
+    return out
+
+
+def _disk(rows: list[dict], name: str, limit: float, known: dict) -> list[dict]:
+    fls = [r for r in rows if r["tp"] == "tp2" and r["loader"] == "fastload" and "error" not in r]
+    if not fls:
+        return [verdict(name, None, limit, _UNMEASURED, tp="tp2")]
+    detail = "disk bytes per rank / checkpoint"
+    if known.get("page_share_tp2"):
+        detail += f"; the rank's slices rounded out to whole pages: {known['page_share_tp2']:.3f}"
+    return [verdict(name, max(r["disk_read_per_rank"] / r["checkpoint_bytes"] for r in fls), limit, detail,
+                    tp="tp2")]
+
+
+def _warm_floor(rows: list[dict], name: str, limit: float, known: dict) -> list[dict]:
+    return [_ratio(name, limit, "tp1", _row(rows, "tp1", "warm", "fastload"), _row(rows, "tp1", "warm", FLOOR),
+                   "fastload / floor, warm")]
+
+
+def _warm_default(rows: list[dict], name: str, limit: float, known: dict) -> list[dict]:
+    """Slower than the default loader by no more than the run's spread."""
+    out = []
+    for tp in _fastload_tps(rows):
+        fl, base = _row(rows, tp, "warm", "fastload"), _row(rows, tp, "warm", "safetensors")
+        if not (fl and base):
+            out.append(verdict(name, None, limit, _UNMEASURED, tp=tp))
             continue
-        label = "load_weights" if metric == "seconds" else metric
-        verdict(name, tp, fl[key] / base[key], limit,
-                f"{label} {fl[key]:.2f} s ({cache} {loader}) / {base[key]:.2f} s ({other_cache} {other})")
-
-
-def _warm_verdict(rows: list[dict], name: str, tp: str, limit: float, verdict) -> None:
-    fl, base = _row(rows, tp, "warm", "fastload"), _row(rows, tp, "warm", "safetensors")
-    if name == "warm-floor":
-        floor = _row(rows, tp, "warm", FLOOR)
-        value = fl["seconds_median"] / floor["seconds_median"] if fl and floor else None
-        verdict(name, tp, value, limit, "fastload / floor, warm" if value is not None else "rows not measured")
-    elif not (fl and base):
-        verdict(name, tp, None, limit, "rows not measured")
-    else:  # warm-default: slower than the default by no more than the run's spread
         spread = max(fl["seconds_max"] - fl["seconds_min"], base["seconds_max"] - base["seconds_min"])
-        verdict(name, tp, fl["seconds_median"] - base["seconds_median"] - spread, limit,
-                f"median {fl['seconds_median']:.2f} s vs {base['seconds_median']:.2f} s, spread {spread:.2f} s")
+        out.append(verdict(name, fl["seconds_median"] - base["seconds_median"] - spread, limit,
+                           f"median {fl['seconds_median']:.2f} s vs {base['seconds_median']:.2f} s, spread "
+                           f"{spread:.2f} s", tp=tp))
+    return out
 
 
-def print_verdicts(verdicts: list[dict]) -> None:
-    if not verdicts:
-        return
-    print("\ntargets:")
-    for v in verdicts:
-        shown = "not measured" if v["value"] is None else f"{v['value']:.3f}"
-        print(f"  [{'ok' if v['ok'] else 'MISSED'}] {v['target']} {v['tp']}: {shown} "
-              f"(limit {v['limit']:g}; {v['detail']})")
+#: How each target is judged.
+_JUDGES: Mapping[str, Callable[[list[dict], str, float, dict], list[dict]]] = {
+    "cold-tp1": _cold, "cold-tp2": _cold, "warm-floor": _warm_floor, "warm-default": _warm_default,
+    "disk-tp2": _disk, "netfs-default": _netfs, "netfs-prefetch": _netfs, "s3-bytes-tp2": _s3_bytes,
+    "s3-runai-tp2": _s3_runai, "s3-runai-tp1": _s3_runai, "s3-limit-tp1": _s3_limit,
+    **dict.fromkeys(_STARTUP, _startup),
+}
 
 
 def chart(rows: list[dict], path: Path, title: str = "vLLM load_weights by loader") -> None:
