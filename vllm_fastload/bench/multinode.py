@@ -43,9 +43,10 @@ from typing import Any
 
 from vllm_fastload.bench.cache import evict
 from vllm_fastload.bench.loaders import LOADERS, check_known
-from vllm_fastload.bench.logs import root_cause
 from vllm_fastload.bench.targets import Target, all_met, by_name, print_verdicts, verdict
 from vllm_fastload.bench.targets import parse_targets as parse_spec
+from vllm_fastload.bench.vllm import records, start_command
+from vllm_fastload.bench.worker_hooks import timed_env
 from vllm_fastload.tools.checkpoints import write_checkpoint
 from vllm_fastload.tools.processes import remove_logged_cpu_shm
 from vllm_fastload.tools.vllm_server import free_port, vllm_env
@@ -176,58 +177,48 @@ def start_two_nodes(models: list[str], loader: str, layout: str, envs: list[dict
                     timeout: float = 900) -> dict:
     """One two-node start: node 1 headless, then node 0's ``LLM``; the ranks' records (``worker_hooks``),
     each node's log and its early-reads share."""
-    spec = LOADERS[loader]
-    load_format, extra = spec.vllm_format, dict(spec.config)
-    assert load_format is not None, f"{loader} is no vLLM loader"
     pp, tp = LAYOUTS[layout]
     probe = Path(tempfile.mkdtemp(dir=work))
-    port = free_port()
     kwargs: dict[str, Any] = {"pipeline_parallel_size": pp, "nnodes": 2, "master_addr": "127.0.0.1",
-                              "master_port": port, **spec.vllm_args}
+                              "master_port": free_port()}
     if pp > 1:
         kwargs.update(enforce_eager=False, compilation_config=PP_COMPILATION)
-    site = str(Path(__file__).parent / "site")
     logs = [probe / "node0.log", probe / "node1.log"]
-
-    def env(node: int) -> dict[str, str]:
-        out = vllm_env(1, FASTLOAD_DEV_BENCH_DIR=str(probe), FASTLOAD_PROGRESS="false", FASTLOAD_DEV_BENCH_CACHE="",
-                       VLLM_CPU_OMP_THREADS_BIND=str(1 - node), **envs[node])
-        out["PYTHONPATH"] = os.pathsep.join([site, out.get("PYTHONPATH", "")])
-        return out
-
-    node1_flags = ["--headless", "--model", models[1], "--load-format", load_format, "--tensor-parallel-size", str(tp),
-                   "--max-model-len", "128", "--dtype", "bfloat16", "--skip-tokenizer-init",
-                   "--api-server-count", "1", "--node-rank", "1",
-                   *_cli_flags({k: v for k, v in kwargs.items() if k != "enforce_eager"}),
-                   *(["--enforce-eager"] if pp == 1 else []),
-                   *(["--model-loader-extra-config", json.dumps(extra)] if extra else [])]
-    cmd0 = [sys.executable, "-m", "vllm_fastload.bench.start_vllm", models[0], load_format, str(tp),
-            json.dumps(extra) if extra else "", json.dumps({**kwargs, "node_rank": 0})]
+    env = [timed_env(vllm_env(1, FASTLOAD_PROGRESS="false", FASTLOAD_DEV_BENCH_CACHE="",
+                              VLLM_CPU_OMP_THREADS_BIND=str(1 - node), **envs[node]), probe) for node in range(2)]
     started = time.time()
     with logs[1].open("wb") as log1:
-        node1 = subprocess.Popen([sys.executable, "-m", "vllm_fastload.bench.start_vllm", *node1_flags],
-                                 stdout=log1, stderr=subprocess.STDOUT, env=env(1), start_new_session=True)
+        node1 = subprocess.Popen(_headless_command(models[1], loader, tp, kwargs), stdout=log1,
+                                 stderr=subprocess.STDOUT, env=env[1], start_new_session=True)
     try:
         with logs[0].open("wb") as log0:
-            node0 = subprocess.Popen(cmd0, stdout=log0, stderr=subprocess.STDOUT, env=env(0), start_new_session=True)
+            node0 = subprocess.Popen(start_command(models[0], loader, tp, {**kwargs, "node_rank": 0}), stdout=log0,
+                                     stderr=subprocess.STDOUT, env=env[0], start_new_session=True)
             returncode = _wait_for_head(node0, node1, timeout)
     finally:
         _stop(node1)
         for log in logs:
             remove_logged_cpu_shm(log)
-    texts = [log.read_text(errors="replace") for log in logs]
-    ranks = sorted((json.loads(p.read_text()) for p in probe.glob("rank*.json")), key=lambda r: r["rank"])
-    models_ = {r["rank"]: r for r in (json.loads(p.read_text()) for p in probe.glob("model*.json"))}
-    ready = probe / "ready.json"
-    if returncode != 0 or len(ranks) != pp * tp or not ready.exists():
-        return {"error": f"exit {returncode}, {len(ranks)} rank records: {root_cause(texts[0] + texts[1])} "
-                         f"(logs: {logs[0]}, {logs[1]})"}
-    for r in ranks:
-        r.update({k: v for k, v in models_.get(r["rank"], {}).items() if k != "rank"})
-    early = [NODE_READS.search(text) for text in texts]
-    return {"ranks": ranks, "ready_s": json.loads(ready.read_text())["ready_at"] - started,
-            "early_layers": [float(m.group(2)) if m else None for m in early],
+    res = records(probe, started, pp * tp, returncode, logs)
+    if "error" in res:
+        return res
+    early = [NODE_READS.search(log.read_text(errors="replace")) for log in logs]
+    return {**res, "early_layers": [float(m.group(2)) if m else None for m in early],
             "early_share": [float(m.group(1)) if m else None for m in early]}
+
+
+def _headless_command(model: str, loader: str, tp: int, kwargs: dict[str, Any]) -> list[str]:
+    """Node 1's command line: ``vllm serve --headless`` through ``start_vllm``, with ``LLM(...)``'s
+    ``kwargs`` as its flags."""
+    spec = LOADERS[loader]
+    assert spec.vllm_format is not None, f"{loader} is no vLLM loader"
+    kwargs = {**kwargs, **spec.vllm_args}
+    eager = ["--enforce-eager"] if kwargs.get("enforce_eager", True) else []
+    extra = ["--model-loader-extra-config", json.dumps(dict(spec.config))] if spec.config else []
+    return [sys.executable, "-m", "vllm_fastload.bench.start_vllm", "--headless", "--model", model, "--load-format",
+            spec.vllm_format, "--tensor-parallel-size", str(tp), "--max-model-len", "128", "--dtype", "bfloat16",
+            "--skip-tokenizer-init", "--api-server-count", "1", "--node-rank", "1",
+            *_cli_flags({k: v for k, v in kwargs.items() if k != "enforce_eager"}), *eager, *extra]
 
 
 def _wait_for_head(node0: subprocess.Popen, node1: subprocess.Popen, timeout: float) -> int:

@@ -21,7 +21,6 @@ import argparse
 import functools
 import json
 import mmap
-import os
 import re
 import statistics
 import subprocess
@@ -29,6 +28,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ from vllm_fastload.bench.logs import root_cause
 from vllm_fastload.bench.machine import MachineState, release_memory
 from vllm_fastload.bench.targets import Target, all_met, by_name, print_verdicts, verdict
 from vllm_fastload.bench.targets import parse_targets as parse_spec
+from vllm_fastload.bench.worker_hooks import timed_env
 from vllm_fastload.sources.hub import is_repo_id
 from vllm_fastload.tools.checkpoints import write_checkpoint, write_random_checkpoint
 from vllm_fastload.tools.processes import remove_logged_cpu_shm
@@ -59,39 +60,45 @@ SOURCE_LOADERS: dict[str, list[str]] = {
 SOURCE_CACHE = {"local": "warm,cold", "sshfs": "cold", "s3": "cold", "hub": "warm,cold"}
 
 
-def start_args(name: str) -> list[str]:
-    """``start_vllm``'s arguments after the model: load format, TP aside, extra config and
-    ``LLM(...)`` arguments of loader ``name``, as JSON."""
+def start_command(model: str, name: str, tp: int, kwargs: Mapping[str, Any] | None = None) -> list[str]:
+    """``start_vllm``'s command line for loader ``name``: its load format, extra config and
+    ``LLM(...)`` arguments (``kwargs`` added)."""
     loader = LOADERS[name]
     assert loader.vllm_format is not None, f"{name} is no vLLM loader"
-    return [loader.vllm_format, json.dumps(dict(loader.config)) if loader.config else "",
-            json.dumps(dict(loader.vllm_args))]
+    return [sys.executable, "-m", "vllm_fastload.bench.start_vllm", model, loader.vllm_format, str(tp),
+            json.dumps(dict(loader.config)) if loader.config else "",
+            json.dumps({**loader.vllm_args, **(kwargs or {})})]
 
 
 def run_once(model: str, loader: str, tp: int, work: Path, cache: str = "", env_extra: dict | None = None) -> dict:
-    load_format, extra, kwargs = start_args(loader)
     probe_dir = Path(tempfile.mkdtemp(dir=work))
-    cmd = [sys.executable, "-m", "vllm_fastload.bench.start_vllm", model, load_format, str(tp), extra, kwargs]
-    env = vllm_env(tp, FASTLOAD_DEV_BENCH_DIR=str(probe_dir), FASTLOAD_PROGRESS="false", FASTLOAD_DEV_BENCH_CACHE=cache,
-                   **(env_extra or {}))
-    # The timers (worker_hooks) are installed by this folder's sitecustomize in every vLLM process.
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent / "site"), env.get("PYTHONPATH", "")])
+    env = timed_env(vllm_env(tp, FASTLOAD_PROGRESS="false", FASTLOAD_DEV_BENCH_CACHE=cache, **(env_extra or {})),
+                    probe_dir)
     log = probe_dir / "vllm.log"
     started = time.time()
     try:
         with log.open("wb") as f:
-            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=900)
+            proc = subprocess.run(start_command(model, loader, tp), stdout=f, stderr=subprocess.STDOUT, env=env,
+                                  timeout=900)
     finally:
         remove_logged_cpu_shm(log)
-    ranks = [json.loads(p.read_text()) for p in sorted(probe_dir.glob("rank*.json"))]
-    models = {r["rank"]: r for r in (json.loads(p.read_text()) for p in probe_dir.glob("model*.json"))}
-    ready = probe_dir / "ready.json"
-    if proc.returncode != 0 or len(ranks) != tp or not ready.exists():
-        cause = root_cause(log.read_text(errors="replace"))
-        return {"error": f"exit {proc.returncode}, {len(ranks)} rank records: {cause} (log: {log})"}
-    for r in ranks:
+    return records(probe_dir, started, tp, proc.returncode, [log])
+
+
+def records(probe: Path, started: float, ranks: int, returncode: int, logs: list[Path]) -> dict:
+    """What the timers (``worker_hooks``) recorded in ``probe`` of a start begun at ``started``: each
+    rank's record, its ``load_model`` merged in, and the time to ready; or, where the start failed
+    or fewer than ``ranks`` ranks recorded a load, an error naming the root cause in its ``logs``."""
+    found = sorted((json.loads(p.read_text()) for p in sorted(probe.glob("rank*.json"))), key=lambda r: r["rank"])
+    models = {r["rank"]: r for r in (json.loads(p.read_text()) for p in probe.glob("model*.json"))}
+    ready = probe / "ready.json"
+    if returncode != 0 or len(found) != ranks or not ready.exists():
+        cause = root_cause("".join(log.read_text(errors="replace") for log in logs))
+        return {"error": f"exit {returncode}, {len(found)} rank records: {cause} "
+                         f"(log{'s' if len(logs) > 1 else ''}: {', '.join(map(str, logs))})"}
+    for r in found:
         r.update({k: v for k, v in models.get(r["rank"], {}).items() if k != "rank"})
-    return {"ranks": ranks, "ready_s": json.loads(ready.read_text())["ready_at"] - started}
+    return {"ranks": found, "ready_s": json.loads(ready.read_text())["ready_at"] - started}
 
 
 def _start_s3(model: str, env: dict[str, str], *, name: str, tp: int, work: Path, cache: str) -> dict:
@@ -179,18 +186,47 @@ def select_loaders(source: str, loaders: str | None) -> tuple[list[str], dict[st
     return names, skipped
 
 
+@dataclass(frozen=True)
+class Source:
+    """Where the loaders read the checkpoint from, and what a cold start evicts."""
+
+    name: str
+    #: What the loaders are given: a directory, an sshfs mount, an object URI, a Hub id's snapshot.
+    model: str
+    #: The checkpoint's files as the loaders see them (none for an object store).
+    files: tuple[str, ...]
+    #: The files behind a network mount or an object store: evicted too before a cold start (the
+    #: server's page cache is the network filesystem's disk).
+    server_files: tuple[str, ...]
+    total: int
+    #: A ``bench.s3bench.S3Bench`` when ``model`` is an object URI.
+    s3: Any = None
+    #: A ``bench.hubbench.HubCheckpoint`` when ``model`` is a Hub id's snapshot (the ``-hub-id``
+    #: loaders are given the id).
+    hub: Any = None
+
+    def start(self, name: str, tp: int, work: Path, cache: str) -> dict:
+        """One vLLM start of loader ``name``."""
+        if self.hub is not None:
+            return run_once(self.hub.repo_id if LOADERS[name].hub_id else self.model, name, tp, work, cache,
+                            self.hub.env)
+        if self.s3 is not None:
+            return self.s3.run(name, tp, functools.partial(_start_s3, name=name, tp=tp, work=work, cache=cache))
+        return run_once(self.model, name, tp, work, cache)
+
+    def sample_limit(self, state: MachineState) -> float:
+        """What the storage serves cold: the object store's limit, or the disk's (the mount's) read rate."""
+        if self.server_files:
+            evict(self.server_files)
+        return self.s3.sample_limit() if self.s3 is not None else state.sample_disk(self.files)
+
+
 def run_bench(args: argparse.Namespace, model: str, source: str, wanted_targets: dict[str, float],
               server_files: list[str] | None = None, s3=None, hub=None) -> int:
-    """Measure every loader on ``model``; ``server_files``: the files behind a network mount,
-    evicted too before every cold start (the server's page cache is the network FS's disk);
-    ``s3``: a ``bench.s3bench.S3Bench`` when ``model`` is an object URI; ``hub``: a
-    ``bench.hubbench.HubCheckpoint`` when ``model`` is a Hub id's snapshot (the ``-hub-id``
-    loaders are given the id)."""
-    if s3 is not None:
-        files, server_files, total = [], s3.server_files(), s3.checkpoint_bytes
-    else:
-        files = sorted(str(p) for p in Path(model).glob("*.safetensors"))
-        total = sum(Path(f).stat().st_size for f in files)
+    """Measure every loader on ``model`` (see ``Source`` for ``server_files``, ``s3`` and ``hub``)."""
+    files = () if s3 is not None else tuple(sorted(str(p) for p in Path(model).glob("*.safetensors")))
+    where = Source(source, model, files, tuple(s3.server_files() if s3 is not None else server_files or ()),
+                   s3.checkpoint_bytes if s3 is not None else sum(Path(f).stat().st_size for f in files), s3, hub)
     names, skipped = select_loaders(source, args.loaders)
     tps = [int(t) for t in args.tp.split(",")]
     caches = (args.cache or SOURCE_CACHE[source]).split(",")
@@ -199,29 +235,38 @@ def run_bench(args: argparse.Namespace, model: str, source: str, wanted_targets:
     from vllm_fastload.sources.fstype import filesystem_type
 
     fstype = filesystem_type(files[0]) if files else "s3rver" if s3 is not None else ""
-    print(f"checkpoint {model} ({fstype or 'unknown filesystem'}): {total / 1e9:.2f} GB; loaders {names}; "
+    print(f"checkpoint {model} ({fstype or 'unknown filesystem'}): {where.total / 1e9:.2f} GB; loaders {names}; "
           f"skipped {skipped}")
     state = MachineState()
-    if server_files:
-        evict(server_files)
+    limit = where.sample_limit(state)
     if s3 is not None:
-        print(f"  object store: {s3.sample_limit():.2f} GB/s, parallel ranged GETs of every object into memory",
-              flush=True)
+        print(f"  object store: {limit:.2f} GB/s, parallel ranged GETs of every object into memory", flush=True)
     else:
-        what = "network filesystem, 4 threads" if server_files else "disk"
-        print(f"  {what}: {state.sample_disk(files):.2f} GB/s cold sequential read", flush=True)
+        what = "network filesystem, 4 threads" if where.server_files else "disk"
+        print(f"  {what}: {limit:.2f} GB/s cold sequential read", flush=True)
     if args.release_memory:
         speed = release_memory(args.release_memory)
         print(f"  touched and released {args.release_memory:g} GiB of memory at {speed:.2f} GB/s, "
               "waited for it to go back to the host", flush=True)
     work = Path(args.out) / "vllm-runs"
     work.mkdir(parents=True, exist_ok=True)
-    deadline = time.monotonic() + args.time_limit
+    results, stopped_early = _repetitions(where, names, tps, caches, args.repeats, work, state,
+                                          time.monotonic() + args.time_limit)
+    where.sample_limit(state)
+    verdicts = _report_run(where, results, state, wanted_targets, Path(args.out),
+                           {"filesystem": fstype, "skipped": skipped, "stopped_early": stopped_early})
+    return 0 if all_met(verdicts) else 1
+
+
+def _repetitions(where: Source, names: list[str], tps: list[int], caches: list[str], repeats: int, work: Path,
+                 state: MachineState, deadline: float) -> tuple[dict[str, list[dict]], bool]:
+    """Every (TP, cache): ``repeats`` interleaved repetitions of every loader, until ``deadline``;
+    the starts' results by ``tpN|cache|loader``, and whether the deadline cut them short."""
     results: dict[str, list[dict]] = {}
     stopped_early = False
     for tp in tps:
         for cache in caches:
-            for rep in range(args.repeats):
+            for rep in range(repeats):
                 print(f"  tp={tp} {cache} rep {rep + 1}: first touch {state.sample_memory():.2f} GB/s", flush=True)
                 # Each repetition starts with the next loader: a VM's memory gets faster to touch
                 # within a run of starts, and no loader should always go first.
@@ -233,57 +278,52 @@ def run_bench(args: argparse.Namespace, model: str, source: str, wanted_targets:
                     # start follows the eviction of the checkpoint, whose pages a VM may hand
                     # back to its host (slow to touch again) or the guest may reuse (fast).
                     if cache == "cold":
-                        evict(files + (server_files or []))
+                        evict(where.files + where.server_files)
                     else:
-                        warm(files)  # a cold row may have evicted them
-                    if hub is not None:
-                        res = run_once(hub.repo_id if LOADERS[name].hub_id else model, name, tp, work, cache,
-                                       hub.env)
-                    elif s3 is None:
-                        res = run_once(model, name, tp, work, cache)
-                    else:
-                        res = s3.run(name, tp, functools.partial(_start_s3, name=name, tp=tp, work=work, cache=cache))
+                        warm(where.files)  # a cold row may have evicted them
+                    res = where.start(name, tp, work, cache)
                     results.setdefault(f"tp{tp}|{cache}|{name}", []).append(res)
-                    if "error" in res:
-                        print(f"  tp={tp} {cache} rep {rep + 1} {name}: FAILED {res['error']}", flush=True)
-                    else:
-                        secs = [r["seconds"] for r in res["ranks"]]
-                        served = res.get("served_per_rank")
-                        print(f"  tp={tp} {cache:<4} rep {rep + 1} {name:<20} load_weights per rank "
-                              f"{', '.join(f'{s:.2f}' for s in secs)} s"
-                              + (f" (incl. download {res['download_seconds']:.2f} s)" if "download_seconds" in res
-                                 else "")
-                              + (f"; served per rank {', '.join(f'{b / 1e9:.3f}' for b in served)} GB"
-                                 if served else ""), flush=True)
-    if server_files:
-        evict(server_files)
-    if s3 is not None:
-        s3.sample_limit()
-    else:
-        state.sample_disk(files)
-    rows = summarize(results, total)
+                    _print_start(f"  tp={tp} {cache:<4} rep {rep + 1}", name, res)
+    return results, stopped_early
+
+
+def _print_start(head: str, name: str, res: dict) -> None:
+    if "error" in res:
+        print(f"{head} {name}: FAILED {res['error']}", flush=True)
+        return
+    secs = ", ".join(f"{r['seconds']:.2f}" for r in res["ranks"])
+    served = res.get("served_per_rank")
+    print(f"{head} {name:<20} load_weights per rank {secs} s"
+          + (f" (incl. download {res['download_seconds']:.2f} s)" if "download_seconds" in res else "")
+          + (f"; served per rank {', '.join(f'{b / 1e9:.3f}' for b in served)} GB" if served else ""), flush=True)
+
+
+def _report_run(where: Source, results: dict[str, list[dict]], state: MachineState, wanted: dict[str, float],
+                out: Path, facts: dict) -> list[dict]:
+    """Print the tables and verdicts, write the JSON document and the chart; the verdicts."""
+    rows = summarize(results, where.total)
     print()
     print(state.summary())
-    if s3 is not None:
-        print(s3.summary())
+    if where.s3 is not None:
+        print(where.s3.summary())
         for row in rows:
-            row["server_limit_gbps"] = statistics.median(s3.limits)
+            row["server_limit_gbps"] = statistics.median(where.s3.limits)
     print_table(rows)
     bounds = {"disk_gbps": statistics.median(state.disk) if state.disk else None,
-              "page_share_tp2": page_rounded_share(model, 2) if source == "local" else None}
-    verdicts = check_targets(rows, wanted_targets, bounds)
+              "page_share_tp2": page_rounded_share(where.model, 2) if where.name == "local" else None}
+    verdicts = check_targets(rows, wanted, bounds)
     print_verdicts(verdicts)
-    out = Path(args.out)
-    stem = "bench-vllm" if source == "local" else f"bench-vllm-{source}"
-    (out / f"{stem}.json").write_text(json.dumps({"source": source, "filesystem": fstype, "checkpoint_bytes": total,
-                                                  "server_limit_gbps": s3.limits if s3 is not None else None,
-                                                  "rows": rows, "raw": results, "machine": state.as_dict(),
-                                                  "targets": verdicts, "bounds": bounds, "skipped": skipped,
-                                                  "stopped_early": stopped_early}, indent=2))
-    chart(rows, out / f"{stem}.png", title=f"vLLM load_weights by loader, checkpoint on {fstype or source}")
+    stem = "bench-vllm" if where.name == "local" else f"bench-vllm-{where.name}"
+    (out / f"{stem}.json").write_text(json.dumps({
+        "source": where.name, "filesystem": facts["filesystem"], "checkpoint_bytes": where.total,
+        "server_limit_gbps": where.s3.limits if where.s3 is not None else None, "rows": rows, "raw": results,
+        "machine": state.as_dict(), "targets": verdicts, "bounds": bounds, "skipped": facts["skipped"],
+        "stopped_early": facts["stopped_early"]}, indent=2))
+    chart(rows, out / f"{stem}.png",
+          title=f"vLLM load_weights by loader, checkpoint on {facts['filesystem'] or where.name}")
     print(f"wrote {out / f'{stem}.json'} and {out / f'{stem}.png'}"
-          + (" (time limit reached: some runs skipped)" if stopped_early else ""))
-    return 0 if all_met(verdicts) else 1
+          + (" (time limit reached: some runs skipped)" if facts["stopped_early"] else ""))
+    return verdicts
 
 
 def report(path: Path, targets: str | None) -> int:
@@ -316,40 +356,49 @@ def summarize(results: dict[str, list[dict]], total: int) -> list[dict]:
         if not ok:
             rows.append({"tp": tp, "cache": cache, "loader": name, "error": runs[0]["error"][:300]})
             continue
-        per_rank_max = [max(r["seconds"] for r in run["ranks"]) for run in ok]
-        rows.append({
-            "tp": tp, "cache": cache, "loader": name, "runs": len(ok), "failed_runs": len(runs) - len(ok),
-            "seconds_median": statistics.median(per_rank_max), "seconds_min": min(per_rank_max),
+        rows.append({"tp": tp, "cache": cache, "loader": name, "runs": len(ok), "failed_runs": len(runs) - len(ok),
+                     **_times(ok), **_per_rank(ok), "checkpoint_bytes": total})
+    for row in rows:
+        if "error" not in row:
+            _compare(row, _row(rows, row["tp"], row["cache"], "safetensors"), _row(rows, row["tp"], "warm", FLOOR))
+    return rows
+
+
+def _times(ok: list[dict]) -> dict:
+    """load_weights of the slowest rank; what users wait for: load_model (slowest rank), of it vLLM's
+    post-processing, and the process start to the engine constructed."""
+    per_rank_max = [max(r["seconds"] for r in run["ranks"]) for run in ok]
+    return {"seconds_median": statistics.median(per_rank_max), "seconds_min": min(per_rank_max),
             "seconds_max": max(per_rank_max),
-            # What users wait for: load_model (slowest rank), of it vLLM's post-processing, and the
-            # process start to the engine constructed.
             **_medians("load_model_s", [max(r.get("load_model_s", 0.0) for r in run["ranks"]) for run in ok]),
             **_medians("post_s", [max(r.get("post_s", 0.0) for r in run["ranks"]) for run in ok]),
-            **_medians("ready_s", [run["ready_s"] for run in ok if "ready_s" in run]),
-            "rchar_per_rank": max(r["rchar"] for run in ok for r in run["ranks"]),
-            "disk_read_per_rank": max(r["read_bytes"] for run in ok for r in run["ranks"]),
-            "peak_rss_mb": max(r["hwm_after_kb"] for run in ok for r in run["ranks"]) / 1024,
-            "checkpoint_bytes": total,
-        })
-        phases = [r["phases"] for run in ok for r in run["ranks"] if r.get("phases")]
-        if phases:  # fastload's split of load_weights, median over runs and ranks, per phase
-            rows[-1]["phases_median"] = {k: statistics.median(p.get(k, 0.0) for p in phases) for k in phases[0]}
-        cached = [r["cached"] for run in ok for r in run["ranks"] if r.get("cached") is not None]
-        if cached:  # the share of the checkpoint in the page cache as a rank's load began
-            rows[-1]["cached_min"] = min(cached)
-        served = [b for run in ok for b in run.get("served_per_rank", [])]
-        if served:
-            rows[-1]["served_per_rank"] = max(served)
-    for row in rows:
-        base = _row(rows, row["tp"], row["cache"], "safetensors")
-        floor = _row(rows, row["tp"], "warm", FLOOR)
-        if "error" not in row:
-            row["vs_safetensors"] = row["seconds_median"] / base["seconds_median"] if base else None
-            row["vs_floor"] = row["seconds_median"] / floor["seconds_median"] if floor else None
-            for stem in ("load_model", "ready"):
-                if base and f"{stem}_median" in row and base.get(f"{stem}_median"):
-                    row[f"{stem}_vs_safetensors"] = row[f"{stem}_median"] / base[f"{stem}_median"]
-    return rows
+            **_medians("ready_s", [run["ready_s"] for run in ok if "ready_s" in run])}
+
+
+def _per_rank(ok: list[dict]) -> dict:
+    """The bytes and memory of the busiest rank; fastload's phases and what it found cached."""
+    ranks = [r for run in ok for r in run["ranks"]]
+    out = {"rchar_per_rank": max(r["rchar"] for r in ranks), "disk_read_per_rank": max(r["read_bytes"] for r in ranks),
+           "peak_rss_mb": max(r["hwm_after_kb"] for r in ranks) / 1024}
+    phases = [r["phases"] for r in ranks if r.get("phases")]
+    if phases:  # fastload's split of load_weights, median over runs and ranks, per phase
+        out["phases_median"] = {k: statistics.median(p.get(k, 0.0) for p in phases) for k in phases[0]}
+    cached = [r["cached"] for r in ranks if r.get("cached") is not None]
+    if cached:  # the share of the checkpoint in the page cache as a rank's load began
+        out["cached_min"] = min(cached)
+    served = [b for run in ok for b in run.get("served_per_rank", [])]
+    if served:
+        out["served_per_rank"] = max(served)
+    return out
+
+
+def _compare(row: dict, base: dict | None, floor: dict | None) -> None:
+    """Add the row's ratios to the default loader's row and to the floor."""
+    row["vs_safetensors"] = row["seconds_median"] / base["seconds_median"] if base else None
+    row["vs_floor"] = row["seconds_median"] / floor["seconds_median"] if floor else None
+    for stem in ("load_model", "ready"):
+        if base and f"{stem}_median" in row and base.get(f"{stem}_median"):
+            row[f"{stem}_vs_safetensors"] = row[f"{stem}_median"] / base[f"{stem}_median"]
 
 
 def _medians(key: str, values: list[float]) -> dict[str, float]:

@@ -25,6 +25,17 @@ from pathlib import Path
 from vllm_fastload.bench.cache import warm
 from vllm_fastload.bench.core import status_kb
 
+#: A folder whose sitecustomize installs these timers in every process of a vLLM that has it on its
+#: PYTHONPATH: the loader itself never imports benchmark code.
+SITE = Path(__file__).parent / "site"
+
+
+def timed_env(env: dict[str, str], out_dir: str | os.PathLike) -> dict[str, str]:
+    """``env`` for a vLLM whose every process records its loads into ``out_dir``."""
+    return {**env, "FASTLOAD_DEV_BENCH_DIR": str(out_dir),
+            "PYTHONPATH": os.pathsep.join([str(SITE), env.get("PYTHONPATH", "")])}
+
+
 #: Numbers the loads of one process, so that a second load does not overwrite the first's record.
 _loads = itertools.count()
 
