@@ -182,7 +182,8 @@ def _add_bench(sub: Any) -> None:
     p.add_argument("--stand-in-hub", action="store_true",
                    help="with --model org/name: serve the id from a stand-in Hub on loopback and a private cache "
                         "(.fastload/hf-cache, bench-llama laid out under that id on first use), for machines "
-                        "without the Hub")
+                        "without the Hub; from a source checkout only (the stand-in is the tests' tests/hub.py, "
+                        "not in the wheel)")
     p.add_argument("--source", default="local", choices=["local", "sshfs", "s3", "hub"],
                    help="where the checkpoint is read from: a local directory; an sshfs mount of it served by a "
                         "private sshd on loopback; or s3rver on loopback (npm, installed into .fastload/s3rver) "
