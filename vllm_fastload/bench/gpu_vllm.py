@@ -636,17 +636,15 @@ def _print_phases(rows: list[dict], loads: dict) -> None:
 # -- child: loads ----------------------------------------------------------------------------------
 def _init_distributed(device: str, model: str) -> None:
     """vLLM's distributed state for one rank, as ``tools.verify`` sets it up."""
-    import socket
 
     import torch
     from vllm.config import set_current_vllm_config
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
 
+    from vllm_fastload.tools.servers import free_port
     from vllm_fastload.tools.verify import engine_config
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     if device == "cuda":
         torch.cuda.set_device(0)
     else:

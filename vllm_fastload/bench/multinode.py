@@ -49,7 +49,8 @@ from vllm_fastload.bench.vllm import records, start_command
 from vllm_fastload.bench.worker_hooks import timed_env
 from vllm_fastload.tools.checkpoints import write_checkpoint
 from vllm_fastload.tools.processes import remove_logged_cpu_shm
-from vllm_fastload.tools.vllm_server import free_port, vllm_env
+from vllm_fastload.tools.servers import free_port
+from vllm_fastload.tools.vllm_server import vllm_env
 
 #: name -> (pipeline stages, tensor-parallel size): one rank per node either way.
 LAYOUTS = {"pp": (2, 1), "tp": (1, 2)}

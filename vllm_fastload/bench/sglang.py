@@ -31,7 +31,8 @@ from vllm_fastload.bench.logs import root_cause
 from vllm_fastload.bench.machine import MachineState
 from vllm_fastload.bench.targets import Target, all_met, by_name, parse_targets, print_verdicts, verdict
 from vllm_fastload.tools.checkpoints import write_checkpoint
-from vllm_fastload.tools.sglang_server import SMALL_MODEL_FLAGS, ServerExited, SglangServer, sglang_env
+from vllm_fastload.tools.servers import ServerExited
+from vllm_fastload.tools.sglang_server import SMALL_MODEL_FLAGS, SglangServer, sglang_env
 
 #: The loaders measured unless ``--loaders`` says otherwise (``bench.loaders`` says what each is).
 SGLANG_LOADERS = ("fastload", "safetensors", "safetensors-overlap")

@@ -18,7 +18,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import socket
 import sys
 import time
 import traceback
@@ -27,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vllm_fastload.tools.processes import remove_cpu_shm
+from vllm_fastload.tools.servers import free_port
 
 #: mode -> (vLLM load format, --model-loader-extra-config). The first mode is the reference.
 DEFAULT_MODES: dict[str, tuple[str, dict]] = {
@@ -175,9 +175,7 @@ def run_ranks(paths: list[str], tp: int, out_dir: str | Path, modes: Mapping[str
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % cpus) for r in range(tp))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=target, args=(r, tp, port, str(out_dir), list(paths), dict(modes), dtype,
                                                     {k: dict(v) for k, v in (more or {}).items()}))
