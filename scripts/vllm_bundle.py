@@ -565,20 +565,18 @@ def _engine_check(python: str, tmp: Path, site: Path) -> int:
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fastload-standin\nVersion: 0\n")
     (info / "entry_points.txt").write_text("[vllm.platform_plugins]\ncpu = fastload_standin:activate\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(standin), str(site), str(ROOT)]),
-           "PYTHONNOUSERSITE": "1", "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "VLLM_LOGGING_LEVEL": "WARNING"}
+           "PYTHONNOUSERSITE": "1", "HF_HUB_OFFLINE": "1", "FASTLOAD_PROGRESS": "false",
+           "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
     ck = tmp / "checkpoints"
     subprocess.run([python, "-c", _CHECKPOINTS, str(ck)], env=env, cwd=tmp, check=True)
     print("== vllm-fastload verify on vLLM 0.26 (CPU stand-in): a Llama, a Mixtral, an fp8 Llama", flush=True)
     verify = subprocess.run([python, "-m", "vllm_fastload", "verify", str(ck / "llama"), str(ck / "mixtral"),
                              str(ck / "llama-fp8")], env=env, cwd=tmp).returncode
-    print("== the GPU run's loads step on vLLM 0.26 (CPU stand-in): fastload, default, default-prefetch", flush=True)
+    print("== the GPU run's loads step on vLLM 0.26 (CPU stand-in): fastload, safetensors, safetensors-prefetch",
+          flush=True)
     spec = {"device": "cpu", "model": str(ck / "llama"), "warmup": str(ck / "warmup"), "repeats": 1,
             "deadline_s": 300, "out": str(tmp / "loads.json"),
-            "loaders": [{"name": "fastload", "load_format": "fastload", "extra": {"progress": False}, "engine": {}},
-                        {"name": "default", "load_format": "auto", "extra": {}, "engine": {}},
-                        {"name": "default-prefetch", "load_format": "auto", "extra": {},
-                         "engine": {"safetensors_load_strategy": "prefetch"}}]}
+            "loaders": ["fastload", "safetensors", "safetensors-prefetch"]}
     loads = subprocess.run([python, "-m", "vllm_fastload.bench.gpu_vllm", "loads", json.dumps(spec)], env=env,
                            cwd=tmp).returncode
     records = json.loads((tmp / "loads.json").read_text())["records"] if (tmp / "loads.json").exists() else []

@@ -174,7 +174,7 @@ def _add_bench(sub: Any) -> None:
     p.add_argument("--engine", default="vllm", choices=["vllm", "sglang"],
                    help="sglang: SGLang server starts (in SGLang's environment), fastload vs SGLang's default "
                         "loader with and without --startup-weight-load-mode overlap (local checkpoints; --model, "
-                        "--repeats, --tp, --cache, --loaders, --time-limit and --out apply)")
+                        "--repeats, --tp, --cache, --loaders, --targets, --time-limit and --out apply)")
     p.add_argument("--tp", default="1,2", help="comma-separated TP sizes")
     p.add_argument("--loaders", default=None, help="comma-separated; default: the source's usual set, "
                    "of those that run here")
@@ -182,7 +182,8 @@ def _add_bench(sub: Any) -> None:
     p.add_argument("--stand-in-hub", action="store_true",
                    help="with --model org/name: serve the id from a stand-in Hub on loopback and a private cache "
                         "(.fastload/hf-cache, bench-llama laid out under that id on first use), for machines "
-                        "without the Hub")
+                        "without the Hub; from a source checkout only (the stand-in is the tests' tests/hub.py, "
+                        "not in the wheel)")
     p.add_argument("--source", default="local", choices=["local", "sshfs", "s3", "hub"],
                    help="where the checkpoint is read from: a local directory; an sshfs mount of it served by a "
                         "private sshd on loopback; or s3rver on loopback (npm, installed into .fastload/s3rver) "
@@ -192,7 +193,9 @@ def _add_bench(sub: Any) -> None:
                    help="exit 1 if a named target is missed: 'all' or e.g. 'cold-tp1,disk-tp2=0.55' "
                         "(cold-tp1, cold-tp2, warm-floor, warm-default, disk-tp2, netfs-default, netfs-prefetch, "
                         "s3-bytes-tp2, s3-runai-tp2, s3-runai-tp1, s3-limit-tp1, model-cold-warm, model-cold-tp1, "
-                        "model-cold-tp2, model-warm, ready-cold, weights-warm-tp2, hub-cold)")
+                        "model-cold-tp2, model-warm, ready-cold, weights-warm-tp2, hub-cold; --engine sglang: "
+                        "weights-cold-warm, weights-cold, weights-cold-overlap, weights-warm, ready-cold, share-tp2, "
+                        "all of them judged and printed without --targets)")
     p.add_argument("--nodes", type=int, default=1, choices=[1, 2],
                    help="2: two vLLM nodes on this machine (vLLM's --nnodes over loopback), one rank each, reading "
                         "the checkpoint from --source sshfs (a mount per node), s3 (a counting proxy per node) or "

@@ -75,12 +75,12 @@ def test_smoke_run_measures_everything_and_checks_the_bytes(tmp_path: Path):
     assert 0 < rows[("cold", "fastload-host", bench.TP2)]["read_fraction"] <= 0.55
 
     # Verdicts: computed from the rows, with n/a where an anchor was not measured.
-    verdicts = {v["label"]: v for v in result["verdicts"]}
+    verdicts = {v["target"]: v for v in result["targets"]}
     tp_verdict = verdicts["fastload-host TP=2 rank 1: bytes read <= 0.55x checkpoint"]
     assert tp_verdict["ok"] is True and tp_verdict["value"] == pytest.approx(tp_bytes / total)
     assert verdicts["every load equals safetensors' CPU read, bit for bit (tensors wrong)"]["ok"] is True
     ahead = verdicts["fastload-host TP=1 cold: ahead of fastsafetensors (time ratio < 1)"]
-    assert ahead["ok"] is None and ahead["note"]
+    assert ahead["ok"] is None and ahead["detail"]
     speed = verdicts["fastload-host TP=1 warm: >= 90% of the limit"]
     assert speed["value"] == pytest.approx(rows[("warm", "fastload-host", bench.TP1)]["of_limit"])
     memory = [v for label, v in verdicts.items() if "device memory beyond destinations" in label]

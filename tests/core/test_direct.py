@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from vllm_fastload import TensorRequest
-from vllm_fastload.bench.machine import evict
+from vllm_fastload.bench.cache import evict
 from vllm_fastload.errors import ReadError
 from vllm_fastload.readers import direct, host, pagecache
 

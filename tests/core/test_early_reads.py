@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from vllm_fastload import policy
-from vllm_fastload.bench.machine import evict
+from vllm_fastload.bench.cache import evict
 from vllm_fastload.early import child, process
 from vllm_fastload.early import marks as early_marks
 from vllm_fastload.plan import ByteRange

@@ -19,6 +19,7 @@ from safetensors import safe_open
 
 from vllm_fastload import cli
 from vllm_fastload.bench import gpu_vllm
+from vllm_fastload.bench.loaders import LOADERS
 from vllm_fastload.tools.checkpoints import ModelSpec, tensor_shapes, write_random_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -105,9 +106,9 @@ def test_the_import_list_and_the_loaders_it_checks_cover_the_run():
     assert {"vllm_fastload.bench.gpu_vllm", "vllm.platforms.cuda", "vllm.v1.worker.gpu_model_runner",
             "vllm.entrypoints.llm"} <= set(module.MODULES)
     # Every module the run's loaders need is among those imported (or is vLLM's own).
-    for loader in gpu_vllm.LOADERS:
-        if loader.load_format in ("fastsafetensors", "instanttensor"):
-            assert loader.load_format in module.MODULES
+    for loader in (LOADERS[name] for name in gpu_vllm.GPU_LOADERS):
+        if loader.vllm_format in ("fastsafetensors", "instanttensor"):
+            assert loader.vllm_format in module.MODULES
     assert set(module.MODULES) >= module.NEEDS_DRIVER
 
 
@@ -149,11 +150,12 @@ def _rows(**medians: float) -> list[dict]:
 
 
 def test_the_targets_judge_a_gpu_run_against_its_own_limits():
-    rows = _rows(cold_fastload=6.0, cold_default=12.0, cold_fastsafetensors=7.0, cold_instanttensor=6.5,
-                 warm_fastload=1.5, warm_default=1.4)
+    rows = _rows(cold_fastload=6.0, cold_safetensors=12.0, cold_fastsafetensors=7.0, cold_instanttensor=6.5,
+                 warm_fastload=1.5, warm_safetensors=1.4)
     result = {"device": "cuda", "verify": {"exact": True, "checkpoints": [
         {"differing": [0], "error": None}, {"differing": [0], "error": None}]},
-        "generate": {"identical_tokens": True, "runs": {"fastload": {"tokens": [[1]]}, "default": {"tokens": [[1]]}}},
+        "generate": {"identical_tokens": True,
+                     "runs": {"fastload": {"tokens": [[1]]}, "safetensors": {"tokens": [[1]]}}},
         "loads": {"limits": {"disk_gbps": [3.0, 3.1], "h2d_gbps": [20.0, 22.0]}, "staging_bytes": 1 << 30}}
     verdicts = gpu_vllm.targets(result, rows)
 

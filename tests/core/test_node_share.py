@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 
 from vllm_fastload import policy
+from vllm_fastload.bench.cache import evict
 from vllm_fastload.checkpoint import Checkpoint
 from vllm_fastload.early import decide as early
 from vllm_fastload.early import marks
 from vllm_fastload.early.node_share import NodeLayout, RankHolding, coalesce, expert_of, node_share, split_dim
 from vllm_fastload.layers import EMBEDDINGS, LAYER, layer_key
 from vllm_fastload.tools.checkpoints import ModelSpec, write_checkpoint
-from vllm_fastload.tools.pagecache import evict
 
 from .test_early_reads import _cached_share
 

@@ -9,7 +9,10 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from vllm_fastload.bench import sglang as bench
+from vllm_fastload.bench.targets import line, parse_targets
 from vllm_fastload.tools.processes import session_processes, stop_session
 from vllm_fastload.tools.sglang_server import StartLog, omp_binding
 
@@ -56,28 +59,33 @@ def _row(tp: int, cache: str, loader: str, load: float, ready: float, share: tup
 
 
 def test_the_targets_are_judged_from_the_medians_and_a_loader_that_did_not_start_is_named():
-    rows = [_row(2, "warm", "fastload", 0.5, 20.0, (0.5, 0.5)), _row(2, "warm", "default", 0.9, 20.0),
-            _row(2, "cold", "fastload", 0.55, 21.0, (0.5, 0.5)), _row(2, "cold", "default", 1.5, 22.0),
-            {"tp": 2, "cache": "cold", "loader": "default+overlap", "runs": 0,
+    rows = [_row(2, "warm", "fastload", 0.5, 20.0, (0.5, 0.5)), _row(2, "warm", "safetensors", 0.9, 20.0),
+            _row(2, "cold", "fastload", 0.55, 21.0, (0.5, 0.5)), _row(2, "cold", "safetensors", 1.5, 22.0),
+            {"tp": 2, "cache": "cold", "loader": "safetensors-overlap", "runs": 0,
              "error": "ValueError: --startup-weight-load-mode=overlap is not supported: CUDA only"}]
-    verdicts = bench.verdicts(rows, [2])
-    assert "TP=2 fastload cold / fastload warm (weight load) <= 1.15: 1.10x (0.55 / 0.50 s) met" in verdicts
-    assert "TP=2 fastload cold / default cold (weight load) <= 0.5: 0.37x (0.55 / 1.50 s) met" in verdicts
-    assert any(v.startswith("TP=2 fastload cold / default+overlap cold (weight load) <= 0.9: not measured (cold "
-                            "default+overlap: ValueError: --startup-weight-load-mode=overlap is not supported")
+    verdicts = [line(v) for v in bench.verdicts(rows, [2])]
+    assert ("  [ok] weights-cold-warm tp2: 1.100 (limit <= 1.15; weight load 0.55 s (cold fastload) / 0.50 s "
+            "(warm fastload))") in verdicts
+    assert ("  [ok] weights-cold tp2: 0.367 (limit <= 0.5; weight load 0.55 s (cold fastload) / 1.50 s "
+            "(cold safetensors))") in verdicts
+    assert any(v.startswith("  [n/a] weights-cold-overlap tp2: not measured (limit <= 0.9; cold safetensors-overlap: "
+                            "ValueError: --startup-weight-load-mode=overlap is not supported")
                for v in verdicts)
-    assert "TP=2 fastload warm / default warm (weight load) <= 1.0: 0.56x (0.50 / 0.90 s) met" in verdicts
-    assert "TP=2 fastload cold / default cold (ready) <= 1.0: 0.95x (21.00 / 22.00 s, +1.00 s saved) met" in verdicts
-    assert "TP=2 read share per rank <= 0.56: 0.500 met" in verdicts
+    assert ("  [ok] weights-warm tp2: 0.556 (limit <= 1; weight load 0.50 s (warm fastload) / 0.90 s "
+            "(warm safetensors))") in verdicts
+    assert ("  [ok] ready-cold tp2: 0.955 (limit <= 1; ready 21.00 s (cold fastload) / 22.00 s (cold safetensors), "
+            "1.00 s saved)") in verdicts
+    assert "  [ok] share-tp2 tp2: 0.500 (limit <= 0.56; the largest share of the checkpoint a fastload rank read)" \
+        in verdicts
     table = bench.table(rows)
     assert "| 2 | cold | fastload | 0.55 (0.55-0.55) | 0.37x | 21.0 (21.0-21.0) | 0.95x | 0.500 / 0.500 | - |" in table
-    assert "| 2 | cold | default+overlap | did not start: ValueError" in table
+    assert "| 2 | cold | safetensors-overlap | did not start: ValueError" in table
 
 
 def test_a_missed_target_says_so():
     rows = [_row(1, "warm", "fastload", 0.5, 20.0), _row(1, "cold", "fastload", 0.8, 20.0)]
-    assert "TP=1 fastload cold / fastload warm (weight load) <= 1.15: 1.60x (0.80 / 0.50 s) MISSED" in \
-        bench.verdicts(rows, [1])
+    assert ("  [MISSED] weights-cold-warm tp1: 1.600 (limit <= 1.15; weight load 0.80 s (cold fastload) / 0.50 s "
+            "(warm fastload))") in [line(v) for v in bench.verdicts(rows, [1])]
 
 
 def test_each_rank_gets_cpus_of_its_own():
@@ -103,3 +111,12 @@ def test_stopping_a_session_ends_what_its_leader_left_behind():
     assert len(left) == 1 and "time.sleep(600)" in left[0]
     stop_session(leader.pid, timeout=10)
     assert session_processes(leader.pid) == []
+
+
+def test_targets_asked_for_are_missed_where_not_measured():
+    wanted = parse_targets("weights-cold-overlap,share-tp2=0.6", bench.TARGETS, where=" for --engine sglang")
+    assert wanted == {"weights-cold-overlap": 0.9, "share-tp2": 0.6}
+    got = bench.verdicts([_row(1, "cold", "fastload", 0.5, 20.0)], [1], wanted)
+    assert [(v["target"], v["ok"]) for v in got] == [("weights-cold-overlap", False), ("share-tp2", False)]
+    with pytest.raises(SystemExit, match="unknown target 'weights' for --engine sglang"):
+        parse_targets("weights", bench.TARGETS, where=" for --engine sglang")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_fastload.bench import vllm as bench
+from vllm_fastload.bench.loaders import LOADERS
 from vllm_fastload.cli import build_parser
 
 
@@ -19,9 +20,9 @@ def test_source_arguments_parse() -> None:
 def test_sshfs_measures_fastload_against_default_and_prefetch() -> None:
     names, _ = bench.select_loaders("sshfs", None)
     assert names == ["fastload", "safetensors", "safetensors-prefetch"]
-    assert bench.LLM_KWARGS["safetensors-prefetch"] == {"safetensors_load_strategy": "prefetch"}
+    assert LOADERS["safetensors-prefetch"].vllm_args == {"safetensors_load_strategy": "prefetch"}
     assert bench.SOURCE_CACHE["sshfs"] == "cold"
-    assert bench.select_loaders("sshfs", "fastload,zerofill")[0] == ["fastload", "zerofill (floor)"]
+    assert bench.select_loaders("sshfs", "fastload,zerofill")[0] == ["fastload", "zerofill"]
     with pytest.raises(SystemExit, match="unknown loader"):
         bench.select_loaders("sshfs", "fastload,prefetch")
     with pytest.raises(SystemExit, match="needs --source s3"):

@@ -150,7 +150,7 @@ def test_no_row_exchange_by_default_on_a_network_filesystem(mounted: Path, local
     """What a vLLM rank offers its tensor-parallel group (``rank._Sharing.offer``) for a checkpoint
     on a real sshfs mount, cold: by default nothing (the client's page cache shares already);
     ``always`` and ``never`` are obeyed. (A local disk: tests/vllm/test_sharing.py.)"""
-    from vllm_fastload.bench.machine import evict
+    from vllm_fastload.bench.cache import evict
     from vllm_fastload.config import FastloadConfig
     from vllm_fastload.model.rank import _Sharing
     from vllm_fastload.plan import TensorRequest

@@ -29,9 +29,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.sglang.server import SglangTestServer
 from tests.vllm.conftest import rewrite
 from vllm_fastload.tools.checkpoints import write_checkpoint
-from vllm_fastload.tools.sglang_server import SMALL_MODEL_FLAGS, ServerExited, SglangServer, sglang_env
+from vllm_fastload.tools.servers import ServerExited
+from vllm_fastload.tools.sglang_server import SMALL_MODEL_FLAGS, sglang_env
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(900)]
 
@@ -48,8 +50,8 @@ def models(tmp_path_factory) -> dict[str, Path]:
 
 def _serve(model: Path, load_format: str, tp: int, log: Path) -> tuple[list[list[int]], str]:
     """Start, generate, stop: the output ids and the server's log."""
-    with SglangServer(model, ["--load-format", load_format, *SMALL_MODEL_FLAGS], tp=tp, log_path=log,
-                      env=sglang_env(tp, FASTLOAD_PROGRESS="false")) as server:
+    with SglangTestServer(model, ["--load-format", load_format, *SMALL_MODEL_FLAGS], tp=tp, log_path=log,
+                          env=sglang_env(tp, FASTLOAD_PROGRESS="false")) as server:
         ids = server.generate(PROMPTS)
     return ids, server.log_text()
 
@@ -85,8 +87,8 @@ def test_a_bad_checkpoint_ends_the_start_naming_file_and_tensor(tmp_path):
     whole = write_checkpoint(tmp_path / "llama", "tiny-llama", files=1, index=False)
     broken = rewrite(whole, tmp_path / "broken", lambda t: t.__setitem__(
         k, torch.zeros(t[k].shape, dtype=torch.int32)))
-    server = SglangServer(broken, ["--load-format", "fastload", *SMALL_MODEL_FLAGS], tp=2,
-                          log_path=tmp_path / "server.log", startup_timeout=300)
+    server = SglangTestServer(broken, ["--load-format", "fastload", *SMALL_MODEL_FLAGS], tp=2,
+                              log_path=tmp_path / "server.log", startup_timeout=300)
     try:
         with pytest.raises(ServerExited):
             server.start()

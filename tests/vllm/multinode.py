@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vllm_fastload.tools.processes import remove_logged_cpu_shm
-from vllm_fastload.tools.vllm_server import free_port
+from vllm_fastload.tools.servers import free_port
 
 from .conftest import HERE, run_scenario
 

@@ -12,6 +12,7 @@ from torch import nn
 
 from vllm_fastload.bench import vllm as bench
 from vllm_fastload.bench import worker_hooks
+from vllm_fastload.bench.logs import root_cause
 
 
 @pytest.fixture
@@ -88,8 +89,8 @@ def test_summary_takes_the_slowest_rank_and_compares_with_default_and_floor(caps
         "tp2|warm|safetensors": [_run([1.0, 0.9], ready=40), _run([1.0, 1.1], ready=41), _run([1.2, 1.0], ready=39)],
         # The path through the model's load_weights: no plan, and no cached share where it could not be told.
         "tp2|warm|fastload-whole": [_run([0.7, 0.7], phases=lambda s: {"probe": 0.01, "read": s - 0.01})],
-        "tp2|warm|zerofill (floor)": [_run([0.4, 0.5])],
-        "tp2|warm|memcopy (copy floor)": [_run([0.55, 0.6])],
+        "tp2|warm|zerofill": [_run([0.4, 0.5])],
+        "tp2|warm|memcopy": [_run([0.55, 0.6])],
         "tp2|cold|fastload": [{"error": "exit 1, 1 rank records; log tail:\nboom"}],
     }
     rows = {r["loader"] + "|" + r["cache"]: r for r in bench.summarize(results, total=2000)}
@@ -98,7 +99,7 @@ def test_summary_takes_the_slowest_rank_and_compares_with_default_and_floor(caps
     assert fast["vs_safetensors"] == pytest.approx(0.8 / 1.1)
     assert fast["vs_floor"] == pytest.approx(0.8 / 0.5)
     assert fast["rchar_per_rank"] == 900
-    assert rows["memcopy (copy floor)|warm"]["vs_floor"] == pytest.approx(0.6 / 0.5)
+    assert rows["memcopy|warm"]["vs_floor"] == pytest.approx(0.6 / 0.5)
     assert "boom" in rows["fastload|cold"]["error"]
     # What users wait for: load_model of the slowest rank, and the start to ready.
     assert (fast["load_model_median"], fast["load_model_min"], fast["load_model_max"]) == pytest.approx((1.8, 1.7, 2.0))
@@ -111,7 +112,7 @@ def test_summary_takes_the_slowest_rank_and_compares_with_default_and_floor(caps
 
     bench.print_table(list(rows.values()))
     out = capsys.readouterr().out
-    assert "memcopy (copy floor)" in out and "FAILED" in out and "0.73x" in out
+    assert "memcopy" in out and "FAILED" in out and "0.73x" in out
     assert "load_model s" in out and "0.86x" in out and "0.75x" in out
     lines = out.splitlines()
     start = next(i for i, line in enumerate(lines) if "probe s" in line)  # the phase table's header
@@ -131,10 +132,10 @@ def test_targets_pass_and_fail_on_the_medians_and_spread():
     rows = [
         _row("tp1", "cold", "fastload", 1.5, 1.4, 1.7), _row("tp1", "cold", "safetensors", 2.0, 1.9, 2.2),
         _row("tp2", "cold", "fastload", 1.3, 1.2, 1.4, disk=540), _row("tp2", "cold", "safetensors", 2.0, 2.0, 2.1),
-        _row("tp1", "warm", "fastload", 1.05, 1.0, 1.1), _row("tp1", "warm", "zerofill (floor)", 1.0, 0.9, 1.0),
+        _row("tp1", "warm", "fastload", 1.05, 1.0, 1.1), _row("tp1", "warm", "zerofill", 1.0, 0.9, 1.0),
         _row("tp1", "warm", "safetensors", 0.9, 0.85, 1.1),
         _row("tp2", "warm", "fastload", 0.8, 0.7, 0.9, disk=600),
-        _row("tp2", "warm", "zerofill (floor)", 0.5, 0.5, 0.6),
+        _row("tp2", "warm", "zerofill", 0.5, 0.5, 0.6),
         _row("tp2", "warm", "safetensors", 0.6, 0.6, 0.62),
     ]
     got = {(v["target"], v["tp"]): v for v in bench.check_targets(rows, bench.parse_targets("all"))}
@@ -246,11 +247,11 @@ def test_a_failed_start_reports_the_workers_first_error():
         "(EngineCore_DP0 pid=70) ERROR vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.",
         "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}",
     ])
-    assert bench.root_cause(log) == ("ConfigError: invalid fastload configuration: threads: "
-                                     "Input should be greater than or equal to 1")
-    assert bench.root_cause(log.splitlines()[-1]).startswith("RuntimeError: Engine core initialization failed")
-    assert bench.root_cause("no error here\nthe end") == ("no exception line in the log; it ends with: "
-                                                         "no error here | the end")
+    assert root_cause(log) == ("ConfigError: invalid fastload configuration: threads: "
+                               "Input should be greater than or equal to 1")
+    assert root_cause(log.splitlines()[-1]).startswith("RuntimeError: Engine core initialization failed")
+    assert root_cause("no error here\nthe end") == ("no exception line in the log; it ends with: "
+                                                   "no error here | the end")
 
 
 def test_machine_state_is_measured(tmp_path: Path):

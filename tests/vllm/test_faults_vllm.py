@@ -35,10 +35,11 @@ import pytest
 
 from tests import cgroups, faultfs
 from tests.cpu_shm import files_in_use
-from vllm_fastload.bench.machine import evict
+from vllm_fastload.bench.cache import evict
 from vllm_fastload.tools.checkpoints import PRESETS, write_random_checkpoint
 from vllm_fastload.tools.processes import cpu_shm_idents, remove_logged_cpu_shm
-from vllm_fastload.tools.vllm_server import SMALL_MODEL_FLAGS, free_port, vllm_env
+from vllm_fastload.tools.servers import free_port
+from vllm_fastload.tools.vllm_server import SMALL_MODEL_FLAGS, vllm_env
 
 from .conftest import run_scenario
 

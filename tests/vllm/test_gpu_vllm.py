@@ -24,7 +24,7 @@ pytestmark = pytest.mark.vllm
 
 ROOT = Path(__file__).resolve().parents[2]
 REPEATS = 2
-CPU_LOADERS = ("fastload", "default", "default-prefetch")
+CPU_LOADERS = ("fastload", "safetensors", "safetensors-prefetch")
 
 
 @pytest.fixture(scope="module")
@@ -51,12 +51,12 @@ def test_every_step_runs_and_both_loaders_agree(dry_run):
     assert any("quant-int8" in c["path"] for c in verify)  # the quantized checkpoint is one of them
     runs = doc["generate"]["runs"]
     shapes = gpu_vllm.SHAPES["cpu"]
-    for name in ("fastload", "default"):
+    for name in ("fastload", "safetensors"):
         tokens = runs[name]["tokens"]
         assert [len(t) for t in tokens] == [shapes.max_tokens] * len(gpu_vllm.PROMPTS), runs[name]
         assert runs[name]["ready_s"] > runs[name]["load_model_s"] > 0
         assert runs[name]["cold"]["resident"] < 0.05  # started with the checkpoint evicted
-    assert doc["generate"]["identical_tokens"] and runs["fastload"]["tokens"] == runs["default"]["tokens"]
+    assert doc["generate"]["identical_tokens"] and runs["fastload"]["tokens"] == runs["safetensors"]["tokens"]
     # Greedy decoding over finite random weights depends on them: the prompts do not all continue alike.
     assert len({tuple(t) for t in runs["fastload"]["tokens"]}) > 1
     assert "greedy tokens IDENTICAL" in log
@@ -117,5 +117,5 @@ def test_the_run_stays_inside_its_budget_and_leaves_few_files(dry_run):
     files = sorted(p.name for p in out.iterdir())
     assert files == sorted(["gpu-vllm.log", *gpu_vllm.FILES]), files  # a device call brings 8 back at most
     table = (out / "gpu-vllm.md").read_text()
-    assert "| cold | fastload |" in table and "| target | value | bound | verdict |" in table
+    assert "| cold | fastload |" in table and "| target | value | limit | verdict |" in table
     assert "LLM(...) with fastload" in (out / "gpu-vllm-logs.txt").read_text()

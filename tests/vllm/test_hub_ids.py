@@ -2,7 +2,7 @@
 local Hugging Face cache (blobs, snapshot symlinks, ``refs/main``), as most users start vLLM.
 
 The Hub cannot be reached from the test machines, so "online" means a stand-in on loopback
-(``vllm_fastload.tools.hub.StandInHub``) that answers the part of the Hub's API vLLM and
+(``tests/hub.py``, ``StandInHub``) that answers the part of the Hub's API vLLM and
 ``huggingface_hub`` use, through ``HF_ENDPOINT``. Offline is ``HF_HUB_OFFLINE=1`` (vLLM then
 resolves the id to the snapshot directory itself). Every start is compared, parameter by parameter
 on every rank, with vLLM's default loader on the same weights; early reads must run from the
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.hub import Revision, StandInHub, repo_folder, write_cache
 from vllm_fastload.tools.checkpoints import write_checkpoint
-from vllm_fastload.tools.hub import Revision, StandInHub, repo_folder, write_cache
 
 from .conftest import ARCHITECTURES
 from .test_vllm_loader import assert_ok, summaries

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from vllm_fastload.bench.machine import evict
+from vllm_fastload.bench.cache import evict
 
 from .conftest import assert_subsets
 from .multinode import PP_COMPILATION, run_two_nodes

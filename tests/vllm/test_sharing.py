@@ -13,7 +13,7 @@ import torch
 
 import vllm_fastload
 from vllm_fastload import policy
-from vllm_fastload.bench.machine import evict
+from vllm_fastload.bench.cache import evict
 from vllm_fastload.config import FastloadConfig
 from vllm_fastload.format import TensorInfo
 from vllm_fastload.model import exchange
@@ -27,17 +27,17 @@ from .layers import ThreadCollectives
 ROW_SLICES = ("model.layers.0.self_attn.o_proj.weight", "model.layers.1.mlp.down_proj.weight")
 
 
-def _open(where: Path, **settings) -> tuple[vllm_fastload.FastCheckpoint, FastloadConfig, dict, dict]:
+def _open(where: Path, **settings) -> tuple[vllm_fastload.FastCheckpoint, dict]:
     config = FastloadConfig(progress=False, **settings)
     ckpt = vllm_fastload.open(where, config=config)
     infos = {name: ckpt.info(name) for name in ckpt.keys()}
     targets = {TensorRequest(name, dim=1, start=0, length=infos[name].shape[1] // 2): None for name in ROW_SLICES}
     targets[TensorRequest("model.norm.weight")] = None  # not a row slice: its pages are not asked about
-    return ckpt, config, infos, targets
+    return ckpt, targets
 
 
 def offer(where: Path, *, evicted: bool = False, **settings) -> bool:
-    ckpt, config, infos, targets = _open(where, **settings)
+    ckpt, targets = _open(where, **settings)
     with ckpt:
         if evicted:  # after opening: reading the headers must not warm what is judged
             evict(list(ckpt.files))
@@ -109,7 +109,7 @@ def test_a_rank_whose_decision_fails_still_agrees(checkpoint: Path, monkeypatch)
     monkeypatch.setattr(rank_module.logger, "warning", lambda msg, *args: warnings.append(msg % args))
 
     def run(r: int) -> None:
-        ckpt, config, infos, targets = _open(checkpoint, row_exchange="always")
+        ckpt, targets = _open(checkpoint, row_exchange="always")
         with ckpt:
             sharing = _Sharing(collectives.for_rank(r))
             sharing.decide(ckpt)
@@ -137,7 +137,7 @@ def test_the_decision_is_logged_once_per_load_with_its_facts(checkpoint: Path):
     level = tree.level
     tree.addHandler(handler)
     tree.setLevel(logging.DEBUG)
-    ckpt, config, infos, targets = _open(checkpoint)
+    ckpt, targets = _open(checkpoint)
     try:
         with ckpt:
             sharing = _Sharing(None)

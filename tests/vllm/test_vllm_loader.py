@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_fastload.bench.machine import evict
-from vllm_fastload.bench.vllm import root_cause
+from vllm_fastload.bench.cache import evict
+from vllm_fastload.bench.logs import root_cause
 from vllm_fastload.tools.vllm_server import SMALL_MODEL_FLAGS, VllmServer
 
 from .conftest import HERE, UNUSED_TENSOR, assert_subsets, rewrite, run_scenario

@@ -19,7 +19,9 @@ import torch
 from safetensors import safe_open
 
 import vllm_fastload
-from vllm_fastload.bench.machine import MachineState, evict
+from vllm_fastload.bench.cache import evict
+from vllm_fastload.bench.machine import MachineState
+from vllm_fastload.bench.targets import print_verdicts, verdict
 from vllm_fastload.tensors import dtype_of, shape_of
 from vllm_fastload.tools.checkpoints import write_checkpoint
 from vllm_fastload.tp_rules import rank_requests
@@ -58,14 +60,31 @@ def main(args: argparse.Namespace) -> int:
         tp_plan = ckpt.plan(tp_requests)
     print(f"checkpoint {model}: {total / 1e9:.2f} GB in {len(files)} files; config: threads={config.threads} "
           f"aggregate={config.aggregate_size.human_readable()} budget={config.memory_budget.human_readable()}")
+    # Touched: the engine's parameters already exist.
+    dests = _touched({n: torch.empty(shape_of(i), dtype=dtype_of(i)) for n, i in infos.items()})
+    tp_dests = _touched({r.result_key: torch.empty(_slice_shape(infos[r.name].shape, r), dtype=dtype_of(infos[r.name]))
+                         for r in tp_requests})
+    modes = _modes(model, config, files, total, dests, {r: tp_dests[r.result_key] for r in tp_requests})
+    state = MachineState()
+    print(f"  disk: {state.sample_disk(files):.2f} GB/s cold sequential read", flush=True)
+    results = _measure_modes(modes, files, args.repeats, state)
+    state.sample_disk(files)
+    print()
+    print(state.summary())
+    _report(results, total, tp_plan.read_bytes, int(config.memory_budget), Path(args.out), state)
+    _check_outputs(model, dests, tp_dests, tp_requests)
+    return 0
 
-    dests = {n: torch.empty(shape_of(i), dtype=dtype_of(i)) for n, i in infos.items()}
-    for d in dests.values():
-        d.zero_()  # touched: the engine's parameters already exist
-    tp_dests = {r.result_key: torch.empty(_slice_shape(infos[r.name].shape, r), dtype=dtype_of(infos[r.name]))
-                for r in tp_requests}
-    for d in tp_dests.values():
-        d.zero_()
+
+def _touched(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    for t in tensors.values():
+        t.zero_()
+    return tensors
+
+
+def _modes(model: str, config: vllm_fastload.FastloadConfig, files: list[str], total: int,
+           dests: dict[str, torch.Tensor], tp_targets: dict) -> dict[str, Callable[[], int]]:
+    """Each way of reading the checkpoint into the destinations, by name; each returns the bytes it read."""
 
     def safetensors_copy() -> int:
         for path in files:
@@ -81,34 +100,27 @@ def main(args: argparse.Namespace) -> int:
                 dests[name].copy_(t)
             return stream.stats.bytes_read
 
-    def fastload_iter() -> int:
-        return iterate(config)
+    def read_into(targets: dict) -> int:
+        with vllm_fastload.open(model, config=config) as ck:
+            return ck.read_into(targets).bytes_read
 
+    # The other ``hugepages`` setting: fastload's buffers are the only memory that setting touches.
     huge = config.model_copy(update={"hugepages": not config.hugepages})
+    return {"safetensors get_tensor+copy": safetensors_copy, "fastload iter_tensors+copy": lambda: iterate(config),
+            f"fastload iter_tensors+copy THP {'on' if huge.hugepages else 'off'}": lambda: iterate(huge),
+            "fastload read_into": lambda: read_into(dests),
+            "fastload TP=2 rank 1 read_into": lambda: read_into(tp_targets)}
 
-    def fastload_iter_other_pages() -> int:
-        """The same with the other ``hugepages`` setting: its buffers are the only memory that setting touches."""
-        return iterate(huge)
 
-    def fastload_into() -> int:
-        with vllm_fastload.open(model, config=config) as ck:
-            return ck.read_into(dests).bytes_read
-
-    def fastload_tp2_rank1() -> int:
-        with vllm_fastload.open(model, config=config) as ck:
-            return ck.read_into({r: tp_dests[r.result_key] for r in tp_requests}).bytes_read
-
-    modes = {"safetensors get_tensor+copy": safetensors_copy, "fastload iter_tensors+copy": fastload_iter,
-             f"fastload iter_tensors+copy THP {'on' if huge.hugepages else 'off'}": fastload_iter_other_pages,
-             "fastload read_into": fastload_into, "fastload TP=2 rank 1 read_into": fastload_tp2_rank1}
+def _measure_modes(modes: dict[str, Callable[[], int]], files: list[str], repeats: int,
+                   state: MachineState) -> dict[str, dict[str, list]]:
+    """Warm, then cold repetitions of every mode, interleaved; ``cache|mode`` -> seconds, bytes, peak."""
     results: dict[str, dict[str, list]] = {}
-    state = MachineState()
-    print(f"  disk: {state.sample_disk(files):.2f} GB/s cold sequential read", flush=True)
     for cache in ("warm", "cold"):
         if cache == "warm":
             for fn in modes.values():
                 fn()  # fill the page cache, warm up allocators
-        for rep in range(args.repeats):
+        for rep in range(repeats):
             print(f"  {cache:<5} rep {rep + 1}: first touch {state.sample_memory():.2f} GB/s", flush=True)
             for mode, fn in modes.items():
                 if cache == "cold":
@@ -120,12 +132,7 @@ def main(args: argparse.Namespace) -> int:
                 row["peak"].append(peak)
                 print(f"  {cache:<5} rep {rep + 1}: {mode:<32} {seconds:7.3f} s  {nbytes / seconds / 1e9:6.2f} GB/s  "
                       f"peak +{peak / 1e6:7.1f} MB", flush=True)
-    state.sample_disk(files)
-    print()
-    print(state.summary())
-    _report(results, total, tp_plan.read_bytes, int(config.memory_budget), Path(args.out), state)
-    _check_outputs(model, dests, tp_dests, tp_requests)
-    return 0
+    return results
 
 
 def _slice_shape(shape: tuple[int, ...], r) -> tuple[int, ...]:
@@ -147,24 +154,22 @@ def _report(results: dict, total: int, tp_bytes: int, budget: int, out: Path, st
               f"{m / base:>15.2f}x{max(row['peak']) / 1e6:>10.1f}")
     st = "safetensors get_tensor+copy"
     fl_peak = max(max(results[k]["peak"]) for k in results if "fastload" in k)
-    checks = [
-        ("warm iter_tensors time <= 1.10x safetensors",
-         med("warm|fastload iter_tensors+copy") / med(f"warm|{st}"), 1.10),
-        ("warm read_into time <= 0.90x safetensors", med("warm|fastload read_into") / med(f"warm|{st}"), 0.90),
-        ("cold read_into time <= 0.75x safetensors", med("cold|fastload read_into") / med(f"cold|{st}"), 0.75),
-        ("cold throughput >= 1.30x safetensors (shown as time ratio <= 0.77)",
-         med("cold|fastload iter_tensors+copy") / med(f"cold|{st}"), 1 / 1.3),
-        ("TP=2 rank 1 bytes read <= 0.55x checkpoint", tp_bytes / total, 0.55),
-        ("peak extra memory <= memory budget (ratio)", fl_peak / budget, 1.0),
+    verdicts = [
+        verdict("warm iter_tensors time <= 1.10x safetensors",
+                med("warm|fastload iter_tensors+copy") / med(f"warm|{st}"), 1.10),
+        verdict("warm read_into time <= 0.90x safetensors", med("warm|fastload read_into") / med(f"warm|{st}"), 0.90),
+        verdict("cold read_into time <= 0.75x safetensors", med("cold|fastload read_into") / med(f"cold|{st}"), 0.75),
+        verdict("cold throughput >= 1.30x safetensors (shown as time ratio <= 0.77)",
+                med("cold|fastload iter_tensors+copy") / med(f"cold|{st}"), 1 / 1.3),
+        verdict("TP=2 rank 1 bytes read <= 0.55x checkpoint", tp_bytes / total, 0.55),
+        verdict("peak extra memory <= memory budget (ratio)", fl_peak / budget, 1.0),
     ]
-    print("\ntargets:")
-    for label, value, limit in checks:
-        print(f"  [{'ok' if value <= limit else 'MISSED'}] {label}: {value:.3f}")
+    print_verdicts(verdicts)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench-core.json").write_text(json.dumps({"results": results, "checkpoint_bytes": total,
                                                       "tp2_rank1_bytes": tp_bytes, "budget": budget,
                                                       "machine": state.as_dict(),
-                                                      "checks": checks}, indent=2))
+                                                      "targets": verdicts}, indent=2))
     print(f"wrote {out / 'bench-core.json'}")
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
 import tempfile
 import time
@@ -23,8 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import vllm_fastload
+from vllm_fastload.bench.cache import evict, resident
+from vllm_fastload.bench.worker_hooks import timed_env
 from vllm_fastload.tools.checkpoints import write_random_checkpoint
-from vllm_fastload.tools.pagecache import evict, share_cached
 from vllm_fastload.tools.vllm_server import SMALL_MODEL_FLAGS, VllmServer, vllm_env
 
 #: The demo's own checkpoint: the benchmark Llama's shapes (1.67 GB), written once.
@@ -73,7 +73,7 @@ def run_demo(model: str | None, tp: int = 1, serve: bool = True) -> int:
 
 def _serve(model: str, files: list[str], load_format: str, tp: int, random_weights: bool) -> Start:
     evict(files)
-    cached = share_cached(files) if files else None
+    cached = resident(files) if files else None
     state = "cold" if cached is not None and cached < 0.05 else "warm" if cached is not None else "cache unknown"
     shown = "" if cached is None else f", {cached:.0%} of the checkpoint in the page cache"
     print(f"\n== vLLM's OpenAI server with --load-format {load_format} (tp={tp}), {state}{shown}; "
@@ -81,8 +81,7 @@ def _serve(model: str, files: list[str], load_format: str, tp: int, random_weigh
     log = Path(f".fastload/demo-server-{load_format}.log")
     log.parent.mkdir(parents=True, exist_ok=True)
     timers = Path(tempfile.mkdtemp(prefix="fastload-demo-"))
-    env = vllm_env(tp, FASTLOAD_DEV_BENCH_DIR=str(timers))
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent / "site"), env.get("PYTHONPATH", "")])
+    env = timed_env(vllm_env(tp), timers)
     started = time.monotonic()
     with VllmServer(model, ["--load-format", load_format, *SMALL_MODEL_FLAGS], tp=tp, log_path=log, env=env) as srv:
         ready_s = time.monotonic() - started

@@ -26,12 +26,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import json
-import mmap
 import os
 import platform
-import queue
 import statistics
 import sys
 import threading
@@ -39,16 +36,15 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import torch
 
 import vllm_fastload
+from vllm_fastload.bench.cache import Cold, evict, make_cold, read_files, warm
 from vllm_fastload.bench.core import status_kb
-from vllm_fastload.bench.machine import evict
+from vllm_fastload.bench.loaders import LOADERS, runs_on
+from vllm_fastload.bench.targets import print_verdicts, verdict
 from vllm_fastload.config import FastloadConfig
-from vllm_fastload.libc import releasing_gil
 from vllm_fastload.machine import usable_cpus
 from vllm_fastload.tensors import dtype_of, shape_of
 from vllm_fastload.tools.checkpoints import LLAMA3_8B, ModelSpec, write_random_checkpoint
@@ -56,8 +52,10 @@ from vllm_fastload.tp_rules import rank_requests
 
 #: The smoke checkpoint: 14 MB, dim-1 slices that skip 4 KiB per row (read row by row).
 SMOKE_SPEC = ModelSpec(hidden=256, intermediate=4096, layers=2, heads=4, kv_heads=2, vocab=1000)
-#: Anchor loaders: the other projects every fastload row is compared with.
-ANCHORS = ("safetensors", "fastsafetensors", "instanttensor")
+#: The loaders this benchmark calls itself (``bench.loaders``): fastload's backends (backend ->
+#: loader), and the anchors, the other projects every fastload row is compared with.
+BACKENDS = {LOADERS[n].config["backend"]: n for n in runs_on("library") if "backend" in LOADERS[n].config}
+ANCHORS = tuple(n for n in runs_on("library") if "backend" not in LOADERS[n].config)
 TP1, TP2 = "TP=1", "TP=2 rank 1"
 GB = 1e9
 
@@ -68,40 +66,9 @@ class BenchError(RuntimeError):
 
 # -- page cache and disk ------------------------------------------------------------------------
 
-def resident_fraction(paths: list[str]) -> float:
-    """Fraction of the files' pages in the page cache (``mincore`` over a private mapping).
-
-    Cold repetitions must really be cold; on a machine whose page cache is bigger than
-    ``posix_fadvise(DONTNEED)`` will drop, this says so instead of reporting warm numbers as cold.
-    """
-    resident = pages = 0
-    libc = releasing_gil()
-    assert libc is not None  # (the benchmark runs on Linux)
-    mincore = libc.mincore
-    for path in paths:
-        size = os.path.getsize(path)
-        if size == 0:
-            continue
-        with open(path, "rb") as f:
-            region = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
-        try:
-            anchor = ctypes.c_char.from_buffer(region)
-            address = ctypes.addressof(anchor)
-            del anchor  # the mapping stays open; only the export must end before close()
-            n = -(-size // mmap.PAGESIZE)
-            vec = np.zeros(n, dtype=np.uint8)
-            if mincore(address, size, vec.ctypes.data) != 0:
-                raise OSError(ctypes.get_errno(), f"mincore failed on {path}")
-            resident += int(np.count_nonzero(vec & 1))
-            pages += n
-        finally:
-            region.close()
-    return resident / pages if pages else 0.0
-
-
 @dataclass
 class Eviction:
-    """How cold the cold repetitions were."""
+    """How cold the cold repetitions were, over the run."""
 
     method: str = "posix_fadvise(DONTNEED)"
     worst_resident: float = 0.0
@@ -115,79 +82,12 @@ class Eviction:
         extra = f", drop_caches needed {self.drop_caches_used} times" if self.drop_caches_used else ""
         return f"{self.method}{extra}; at most {self.worst_resident:.1%} of the checkpoint stayed cached"
 
-
-def make_cold(paths: list[str], ev: Eviction, allow_drop_caches: bool) -> None:
-    """Evict the files; where DONTNEED leaves pages behind, drop all caches if allowed (root only).
-
-    Dropping every cache disturbs anything else running on the machine, so only the GPU run
-    (a machine of its own) may; the smoke run, which also runs on shared machines, may not.
-    """
-    evict(paths)
-    left = resident_fraction(paths)
-    if left > 0.01 and allow_drop_caches:
-        try:
-            os.sync()
-            with open("/proc/sys/vm/drop_caches", "w") as f:
-                f.write("1")
-            ev.drop_caches_used += 1
-            left = resident_fraction(paths)
-        except OSError:
-            pass
-    ev.worst_resident = max(ev.worst_resident, left)
-    if left > 0.05:
-        ev.failures += 1
-
-
-def _parallel_read(jobs: list[tuple[str, int, int]], threads: int, block: int, direct: bool) -> int:
-    """Read ``(path, offset, length)`` jobs on ``threads`` threads into reused aligned buffers."""
-    flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
-    fds = {path: os.open(path, flags) for path in {j[0] for j in jobs}}
-    work: queue.SimpleQueue = queue.SimpleQueue()
-    for job in jobs:
-        work.put(job)
-    done = [0] * threads
-    errors: list[BaseException] = []
-
-    def worker(i: int) -> None:
-        buf = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT needs
-        view = memoryview(buf)
-        try:
-            while not errors:
-                try:
-                    path, offset, length = work.get_nowait()
-                except queue.Empty:
-                    return
-                while length > 0:
-                    want = -(-length // 4096) * 4096 if direct else length  # O_DIRECT: whole pages
-                    n = os.preadv(fds[path], [view[:min(want, block)]], offset)
-                    if n <= 0:
-                        break
-                    done[i] += min(n, length)
-                    offset += n
-                    length -= n
-        except BaseException as exc:
-            errors.append(exc)
-        finally:
-            view.release()
-            buf.close()
-
-    pool = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
-    try:
-        for t in pool:
-            t.start()
-        for t in pool:
-            t.join()
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-    if errors:
-        raise errors[0]
-    return sum(done)
-
-
-def _jobs(paths: list[str], block: int) -> list[tuple[str, int, int]]:
-    return [(p, off, min(block, os.path.getsize(p) - off)) for p in paths
-            for off in range(0, os.path.getsize(p), block)]
+    def count(self, cold: Cold) -> None:
+        left = cold.resident or 0.0  # the run's own files: the kernel always says
+        self.drop_caches_used += cold.dropped
+        self.worst_resident = max(self.worst_resident, left)
+        if left > 0.05:
+            self.failures += 1
 
 
 def disk_read_gbps(paths: list[str], threads: int, block: int) -> tuple[float, str]:
@@ -196,16 +96,15 @@ def disk_read_gbps(paths: list[str], threads: int, block: int) -> tuple[float, s
     Where the filesystem refuses ``O_DIRECT`` (tmpfs, some overlays), buffered reads of
     evicted files stand in, and the method says so.
     """
-    jobs = _jobs(paths, block)
-    total = sum(j[2] for j in jobs)
+    total = sum(os.path.getsize(p) for p in paths)
     try:
         start = time.perf_counter()
-        got = _parallel_read(jobs, threads, block, direct=True)
+        got = read_files(paths, threads, block, direct=True)
         method = f"O_DIRECT, {threads} threads x {block >> 20} MiB"
     except OSError as exc:
         evict(paths)
         start = time.perf_counter()
-        got = _parallel_read(jobs, threads, block, direct=False)
+        got = read_files(paths, threads, block)
         method = f"buffered after eviction ({threads} threads; O_DIRECT refused: {exc.strerror})"
     seconds = time.perf_counter() - start
     if got != total:
@@ -213,17 +112,11 @@ def disk_read_gbps(paths: list[str], threads: int, block: int) -> tuple[float, s
     return total / seconds / GB, method
 
 
-def read_in(paths: list[str], threads: int = 4, block: int = 4 << 20) -> None:
-    """Bring the files into the page cache (after a loader that bypassed it, or an eviction)."""
-    _parallel_read(_jobs(paths, block), threads, block, direct=False)
-
-
 def page_cache_gbps(paths: list[str], threads: int, block: int) -> float:
     """Parallel buffered reads of files already in the page cache, into reused buffers."""
-    jobs = _jobs(paths, block)
-    _parallel_read(jobs, threads, block, direct=False)  # make sure they are cached
+    read_files(paths, threads, block)  # make sure they are cached
     start = time.perf_counter()
-    got = _parallel_read(jobs, threads, block, direct=False)
+    got = read_files(paths, threads, block)
     return got / (time.perf_counter() - start) / GB
 
 
@@ -415,7 +308,7 @@ def prepare(model: str, device: torch.device) -> Setup:
     return Setup(model, device, files, total, dests, tp_requests, tp_dests, reference)
 
 
-def fastload_loader(s: Setup, backend: str, tp: str, config: FastloadConfig, note: str = "") -> Loader:
+def fastload_loader(s: Setup, name: str, tp: str, config: FastloadConfig, note: str = "") -> Loader:
     """fastload as the vLLM loader uses it: open, then ``read_into`` the preallocated destinations."""
     targets = s.targets(tp)
 
@@ -423,7 +316,7 @@ def fastload_loader(s: Setup, backend: str, tp: str, config: FastloadConfig, not
         with vllm_fastload.open(s.model, device=s.device, config=config) as ckpt:
             return ckpt.read_into(targets).bytes_read
 
-    return Loader(f"fastload-{backend}", tp, run, note)
+    return Loader(name, tp, run, note)
 
 
 def safetensors_loader(s: Setup) -> Loader:
@@ -490,8 +383,9 @@ def build_loaders(s: Setup, backends: list[str], anchors: list[str], config: Fas
                 skipped["fastload-kvikio"] = str(status["why"])
                 continue
             note = f"GDS active: {status['active']} ({status['why']})"
-        cfg = FastloadConfig.build({**config.model_dump(), "backend": backend})
-        loaders += [fastload_loader(s, backend, TP1, cfg, note), fastload_loader(s, backend, TP2, cfg, note)]
+        name = BACKENDS[backend]
+        cfg = FastloadConfig.build({**config.model_dump(), **LOADERS[name].config})
+        loaders += [fastload_loader(s, name, TP1, cfg, note), fastload_loader(s, name, TP2, cfg, note)]
     for name in anchors:
         try:
             if name == "safetensors":
@@ -525,109 +419,158 @@ def main(args: argparse.Namespace) -> int:
         return 2
 
 
-def _main(args: argparse.Namespace) -> int:
-    started = time.perf_counter()
+@dataclass(frozen=True)
+class Options:
+    """What the command line asks of one run, checked."""
+
+    smoke: bool
+    device: torch.device
+    backends: tuple[str, ...]
+    anchors: tuple[str, ...]
+    spec: ModelSpec
+    files: int
+    directory: str
+    seed: int
+    json_path: Path
+    threads: int
+    block: int
+    repeats: int
+    time_limit: float
+
+
+def options(args: argparse.Namespace) -> Options:
+    """The run's options; a ``BenchError`` where this machine cannot run them (no CUDA without ``--smoke``)."""
     smoke = bool(args.smoke)
     if smoke:
         device = torch.device("cpu")
-        backends, anchors = ["host"], ["safetensors"]
-        spec, files, default_dir = SMOKE_SPEC, 3, ".fastload/bench-gpu-smoke"
+        backends, anchors = ("host",), ("safetensors",)
+        spec, files, directory = SMOKE_SPEC, 3, args.dir or ".fastload/bench-gpu-smoke"
     else:
         if not torch.cuda.is_available():
             raise BenchError(f"needs a CUDA device, and torch {torch.__version__} sees none "
                              f"(torch.version.cuda={torch.version.cuda}); `--smoke` runs the reduced "
                              "CPU-only form")
         device = torch.device("cuda", torch.cuda.current_device())
-        backends = [b for b in args.backends.split(",") if b]
-        anchors = [a for a in args.anchors.split(",") if a]
-        spec = ModelSpec(**LLAMA3_8B, layers=args.layers)
-        files, default_dir = args.files, ".fastload/bench-gpu"
-    unknown = (set(backends) - {"cuda", "kvikio", "host"}) | (set(anchors) - set(ANCHORS))
+        backends = tuple(b for b in args.backends.split(",") if b)
+        anchors = tuple(a for a in args.anchors.split(",") if a)
+        spec, files = ModelSpec(**LLAMA3_8B, layers=args.layers), args.files
+        directory = args.dir or ".fastload/bench-gpu"
+    unknown = (set(backends) - set(BACKENDS)) | (set(anchors) - set(ANCHORS))
     if unknown:
         raise BenchError(f"unknown backends or anchors: {', '.join(sorted(unknown))}")
-    config = FastloadConfig.from_env(progress=False)
-    directory = args.dir or default_dir
     out = Path(args.out or os.environ.get("OUT") or "bench-results")
-    json_path = out / ("bench-gpu-smoke.json" if smoke else "bench-gpu.json")
-    threads = min(16, max(4, usable_cpus())) if not smoke else 4
-    block = (16 << 20) if not smoke else (1 << 20)
+    return Options(smoke, device, backends, anchors, spec, files, directory, args.seed,
+                   out / ("bench-gpu-smoke.json" if smoke else "bench-gpu.json"),
+                   threads=4 if smoke else min(16, max(4, usable_cpus())), block=(1 << 20) if smoke else (16 << 20),
+                   repeats=args.repeats, time_limit=float(args.time_limit))
 
-    env = _environment(device)
-    _say(f"bench-gpu{' --smoke' if smoke else ''}: {env['summary']}")
-    from vllm_fastload.readers.kvikio import gds_status
 
-    gds = gds_status() if not smoke else {"kvikio": None, "active": False, "why": "smoke run: no GPU"}
-    _say(f"kvikio/GDS: {gds}")
+@dataclass
+class Run:
+    """One run as it goes: what it measured so far, and what it set up to measure it."""
 
-    start = time.perf_counter()
-    model = str(write_random_checkpoint(directory, spec, files=files, seed=args.seed))
-    write_s = time.perf_counter() - start
-    setup = prepare(model, device)
-    fs = filesystem_of(model)
-    _say(f"checkpoint {model}: {setup.total / GB:.2f} GB in {len(setup.files)} files "
-         f"({spec.layers} layers of hidden {spec.hidden}, intermediate {spec.intermediate}, {spec.heads}/"
-         f"{spec.kv_heads} heads, vocab {spec.vocab}, {str(spec.dtype).removeprefix('torch.')}, random bytes); "
-         f"written or reused in {write_s:.1f} s; filesystem {fs}")
-    if fs.split()[0] in ("tmpfs", "ramfs"):
-        _say("  WARNING: the checkpoint is in memory (tmpfs): 'cold' and 'disk' measure memory, not a disk")
-    _say(f"config: threads={config.threads} read_size={config.read_size.human_readable()} "
-         f"aggregate={config.aggregate_size.human_readable()} budget={config.memory_budget.human_readable()}")
+    opts: Options
+    config: FastloadConfig
+    env: dict
+    gds: dict
+    setup: Setup
+    #: The checkpoint's filesystem and the seconds it took to write (or find) it.
+    fs: str
+    write_s: float
+    started: float
+    loaders: list[Loader] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+    first_use: dict[str, float] = field(default_factory=dict)
+    ev: Eviction = field(default_factory=Eviction)
+    rows: dict[tuple[str, str, str], Row] = field(default_factory=dict)
+    limits: dict[str, dict] = field(default_factory=dict)
+    reps_done: int = 0
 
-    skipped: dict[str, str] = {}
-    first_use: dict[str, float] = {}
-    loaders = build_loaders(setup, backends, anchors, config, bool(gds["active"]), skipped)
-    loaders = _warm_up(loaders, setup, device, backends, anchors, config, bool(gds["active"]), directory, smoke,
-                       skipped, first_use)
-    _say("first use (warm-up on a 14 MB checkpoint, not in the table): "
-         + ", ".join(f"{k} {v:.2f} s" for k, v in first_use.items()))
-    for name, why in skipped.items():
-        _say(f"  skipped {name}: {why}")
 
-    ev = Eviction()
-    rows: dict[tuple[str, str, str], Row] = {}
-    limits: dict[str, dict] = {"disk": {"gbps": []}, "page_cache": {"gbps": []}, "h2d": {"gbps": []}}
-    if device.type != "cuda":
-        limits["h2d"] = {"gbps": [], "why": "no CUDA device (smoke run on the host)"}
-    meta = dict(smoke=smoke, spec=spec, fs=fs, write_s=write_s, reps_done=0, started=started, first_use=first_use)
-    budget_s = float(args.time_limit)
+def _main(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    run = _set_up(options(args), started)
     rep_s = 0.0
-    for rep in range(args.repeats):
+    for rep in range(run.opts.repeats):
         elapsed = time.perf_counter() - started
-        if rep and elapsed + rep_s > budget_s:
+        if rep and elapsed + rep_s > run.opts.time_limit:
             _say(f"time limit: {elapsed:.0f} s used, a repetition takes ~{rep_s:.0f} s; stopping after {rep} of "
-                 f"{args.repeats} (--time-limit {budget_s:.0f})")
+                 f"{run.opts.repeats} (--time-limit {run.opts.time_limit:.0f})")
             break
         rep_start = time.perf_counter()
         for cache in ("cold", "warm"):
-            if cache == "cold":
-                evict(setup.files)
-                gbps, method = disk_read_gbps(setup.files, threads, block)
-                limits["disk"]["gbps"].append(gbps)
-                limits["disk"]["method"] = method
-                _say(f"  rep {rep + 1} limit disk read       {gbps:7.2f} GB/s  ({method})")
-            else:
-                gbps = page_cache_gbps(setup.files, threads, block)
-                limits["page_cache"]["gbps"].append(gbps)
-                limits["page_cache"]["method"] = f"buffered pread from the page cache, {threads} threads"
-                _say(f"  rep {rep + 1} limit page cache read {gbps:7.2f} GB/s")
-                if device.type == "cuda":
-                    gbps = h2d_gbps(device)
-                    limits["h2d"]["gbps"].append(gbps)
-                    limits["h2d"]["method"] = "pinned 1 GiB -> device copy_, best of 3"
-                    _say(f"  rep {rep + 1} limit pinned H2D      {gbps:7.2f} GB/s")
-            for loader in list(loaders):
-                if not _measure(loader, cache, rep, setup, ev, rows, skipped):
-                    loaders.remove(loader)
-        meta["reps_done"] = rep + 1
+            _limits(run, cache, rep)
+            for loader in list(run.loaders):
+                if not _measure(loader, cache, rep, run):
+                    run.loaders.remove(loader)
+        run.reps_done = rep + 1
         rep_s = time.perf_counter() - rep_start
         # Written after every repetition: a run stopped from outside still leaves its numbers.
-        _write(json_path, _report(rows, limits, setup, config, ev, gds, skipped, env, loaders, meta, say=_quiet))
-    if not rows:
+        _write(run.opts.json_path, _report(run, say=_quiet))
+    if not run.rows:
         raise BenchError("no measurement finished")
-    result = _report(rows, limits, setup, config, ev, gds, skipped, env, loaders, meta)
-    _write(json_path, result)
-    _say(f"wrote {json_path}")
+    result = _report(run)
+    _write(run.opts.json_path, result)
+    _say(f"wrote {run.opts.json_path}")
     return 0 if result["correct"] else 1
+
+
+def _set_up(opts: Options, started: float) -> Run:
+    """The checkpoint, its destinations, the loaders that work here (each run once on a small
+    checkpoint first), and what the run prints about them."""
+    config = FastloadConfig.from_env(progress=False)
+    env = _environment(opts.device)
+    _say(f"bench-gpu{' --smoke' if opts.smoke else ''}: {env['summary']}")
+    from vllm_fastload.readers.kvikio import gds_status
+
+    gds = gds_status() if not opts.smoke else {"kvikio": None, "active": False, "why": "smoke run: no GPU"}
+    _say(f"kvikio/GDS: {gds}")
+    start = time.perf_counter()
+    model = str(write_random_checkpoint(opts.directory, opts.spec, files=opts.files, seed=opts.seed))
+    write_s = time.perf_counter() - start
+    run = Run(opts, config, env, gds, prepare(model, opts.device), filesystem_of(model), write_s, started)
+    spec = opts.spec
+    _say(f"checkpoint {model}: {run.setup.total / GB:.2f} GB in {len(run.setup.files)} files "
+         f"({spec.layers} layers of hidden {spec.hidden}, intermediate {spec.intermediate}, {spec.heads}/"
+         f"{spec.kv_heads} heads, vocab {spec.vocab}, {str(spec.dtype).removeprefix('torch.')}, random bytes); "
+         f"written or reused in {write_s:.1f} s; filesystem {run.fs}")
+    if run.fs.split()[0] in ("tmpfs", "ramfs"):
+        _say("  WARNING: the checkpoint is in memory (tmpfs): 'cold' and 'disk' measure memory, not a disk")
+    _say(f"config: threads={config.threads} read_size={config.read_size.human_readable()} "
+         f"aggregate={config.aggregate_size.human_readable()} budget={config.memory_budget.human_readable()}")
+    loaders = build_loaders(run.setup, list(opts.backends), list(opts.anchors), config, bool(gds["active"]),
+                            run.skipped)
+    run.loaders = _warm_up(loaders, run)
+    _say("first use (warm-up on a 14 MB checkpoint, not in the table): "
+         + ", ".join(f"{k} {v:.2f} s" for k, v in run.first_use.items()))
+    for name, why in run.skipped.items():
+        _say(f"  skipped {name}: {why}")
+    run.limits = {"disk": {"gbps": []}, "page_cache": {"gbps": []}, "h2d": {"gbps": []}}
+    if opts.device.type != "cuda":
+        run.limits["h2d"] = {"gbps": [], "why": "no CUDA device (smoke run on the host)"}
+    return run
+
+
+def _limits(run: Run, cache: str, rep: int) -> None:
+    """The limits a repetition's loads of ``cache`` are held against: the disk's rate cold; the page
+    cache's and the host-to-device copy's warm."""
+    files, threads, block, limits = run.setup.files, run.opts.threads, run.opts.block, run.limits
+    if cache == "cold":
+        evict(files)
+        gbps, method = disk_read_gbps(files, threads, block)
+        limits["disk"]["gbps"].append(gbps)
+        limits["disk"]["method"] = method
+        _say(f"  rep {rep + 1} limit disk read       {gbps:7.2f} GB/s  ({method})")
+        return
+    gbps = page_cache_gbps(files, threads, block)
+    limits["page_cache"]["gbps"].append(gbps)
+    limits["page_cache"]["method"] = f"buffered pread from the page cache, {threads} threads"
+    _say(f"  rep {rep + 1} limit page cache read {gbps:7.2f} GB/s")
+    if run.opts.device.type == "cuda":
+        gbps = h2d_gbps(run.opts.device)
+        limits["h2d"]["gbps"].append(gbps)
+        limits["h2d"]["method"] = "pinned 1 GiB -> device copy_, best of 3"
+        _say(f"  rep {rep + 1} limit pinned H2D      {gbps:7.2f} GB/s")
 
 
 def _write(path: Path, result: dict) -> None:
@@ -637,14 +580,16 @@ def _write(path: Path, result: dict) -> None:
     tmp.replace(path)
 
 
-def _measure(loader: Loader, cache: str, rep: int, s: Setup, ev: Eviction,
-             rows: dict[tuple[str, str, str], Row], skipped: dict[str, str]) -> bool:
-    """One timed load; False (and the error in ``skipped``) if the loader failed."""
+def _measure(loader: Loader, cache: str, rep: int, run: Run) -> bool:
+    """One timed load; False (and the error in ``run.skipped``) if the loader failed."""
+    s = run.setup
     s.clear(loader.tp)
     if cache == "cold":
-        make_cold(s.files, ev, allow_drop_caches=s.device.type == "cuda")
-    elif resident_fraction(s.files) < 0.99:
-        read_in(s.files)  # an O_DIRECT loader left the files uncached
+        # Dropping every cache disturbs anything else running on the machine, so only the GPU run
+        # (a machine of its own) may; the smoke run, which also runs on shared machines, may not.
+        run.ev.count(make_cold(s.files, drop="leftover" if s.device.type == "cuda" else "never"))
+    else:
+        warm(s.files, unless_cached=True)
     try:
         with DeviceMemory(s.device) as mem:
             start = time.perf_counter()
@@ -653,11 +598,12 @@ def _measure(loader: Loader, cache: str, rep: int, s: Setup, ev: Eviction,
                 torch.cuda.synchronize(s.device)
             seconds = time.perf_counter() - start
     except Exception as exc:
-        skipped[f"{loader.name} {loader.tp}"] = f"failed in rep {rep + 1} ({cache}): {type(exc).__name__}: {exc}"
+        run.skipped[f"{loader.name} {loader.tp}"] = (f"failed in rep {rep + 1} ({cache}): "
+                                                     f"{type(exc).__name__}: {exc}")
         _say(f"  rep {rep + 1} {cache:<4} {loader.name:<16} {loader.tp:<12} FAILED: {type(exc).__name__}: {exc}")
         return False
     bad = s.mismatches(loader.tp)
-    row = rows.setdefault((cache, loader.name, loader.tp), Row(cache, loader.name, loader.tp))
+    row = run.rows.setdefault((cache, loader.name, loader.tp), Row(cache, loader.name, loader.tp))
     row.seconds.append(seconds)
     row.bytes = nbytes
     row.alloc_extra.append(mem.alloc_extra)
@@ -669,23 +615,23 @@ def _measure(loader: Loader, cache: str, rep: int, s: Setup, ev: Eviction,
     return True
 
 
-def _warm_up(loaders: list[Loader], setup: Setup, device: torch.device, backends: list[str], anchors: list[str],
-             config: FastloadConfig, gds_active: bool, directory: str, smoke: bool,
-             skipped: dict[str, str], first_use: dict[str, float]) -> list[Loader]:
+def _warm_up(loaders: list[Loader], run: Run) -> list[Loader]:
     """Run every loader once on a small checkpoint, outside the timed runs; return those that worked.
 
     CUDA, cuFile and library start-up costs (and pinned host memory, which torch caches once
     allocated) are paid once per process by whichever loader comes first and belong to no
-    single load; ``first_use`` records what each paid here, since a server start pays it too.
+    single load; ``run.first_use`` records what each paid here, since a server start pays it too.
     A loader that fails here (a library that imports but cannot run on this machine) is
     reported and left out, not fatal.
     """
-    if smoke:
-        small, trial = setup, loaders
+    opts, device = run.opts, run.opts.device
+    if opts.smoke:
+        small, trial = run.setup, loaders
     else:
-        tiny = Path(directory).with_name(Path(directory).name + "-warmup")
+        tiny = Path(opts.directory).with_name(Path(opts.directory).name + "-warmup")
         small = prepare(str(write_random_checkpoint(tiny, SMOKE_SPEC, files=2, seed=1)), device)
-        trial = build_loaders(small, backends, anchors, config, gds_active, {})
+        trial = build_loaders(small, list(opts.backends), list(opts.anchors), run.config, bool(run.gds["active"]),
+                              {})
     failed = set()
     for loader in trial:
         try:
@@ -694,10 +640,10 @@ def _warm_up(loaders: list[Loader], setup: Setup, device: torch.device, backends
             loader.run()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            first_use[f"{loader.name} {loader.tp}"] = time.perf_counter() - start
+            run.first_use[f"{loader.name} {loader.tp}"] = time.perf_counter() - start
             bad = small.mismatches(loader.tp)
         except Exception as exc:
-            skipped[f"{loader.name} {loader.tp}"] = f"failed in the warm-up: {type(exc).__name__}: {exc}"
+            run.skipped[f"{loader.name} {loader.tp}"] = f"failed in the warm-up: {type(exc).__name__}: {exc}"
             failed.add((loader.name, loader.tp))
             continue
         if bad:
@@ -730,100 +676,103 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def _report(rows: dict[tuple[str, str, str], Row], limits: dict, s: Setup, config: FastloadConfig, ev: Eviction,
-            gds: dict, skipped: dict, env: dict, loaders: list[Loader], meta: dict,
-            say: Callable[..., None] = _say) -> dict:
+def _report(run: Run, say: Callable[..., None] = _say) -> dict:
     """Print the table and the target verdicts (through ``say``); return the JSON document."""
-    disk, cache_bw, h2d = (_median(limits[k]["gbps"]) for k in ("disk", "page_cache", "h2d"))
+    disk, cache_bw, h2d = (_median(run.limits[k]["gbps"]) for k in ("disk", "page_cache", "h2d"))
     limit = {"cold": min(x for x in (disk, h2d) if x is not None) if disk else None,
              "warm": min(x for x in (cache_bw, h2d) if x is not None) if cache_bw else None}
-    budget = int(config.memory_budget)
-    tp2_fraction = {r.loader: r.bytes / s.total for r in rows.values() if r.tp == TP2}
-
-    def anchor(cache: str, name: str) -> Row | None:
-        return rows.get((cache, name, TP1))
-
+    s = run.setup
     say(f"\ncheckpoint {s.total / GB:.2f} GB; limits (median): disk {_fmt(disk)} GB/s, page cache {_fmt(cache_bw)} "
-         f"GB/s, pinned H2D {_fmt(h2d)} GB/s -> limit cold {_fmt(limit['cold'])}, warm {_fmt(limit['warm'])} GB/s")
-    say(f"eviction: {ev.note()}")
-    header = (f"{'cache':<5} {'loader':<16} {'TP':<12} {'read GB':>8} {'median s':>9} {'spread s':>15} {'GB/s':>7} "
-              f"{'of limit':>8} {'vs st':>6} {'vs fst':>6} {'vs it':>6} {'dev +MB':>9} {'drv +MB':>9} {'ok':>3}")
-    say(header)
-    out_rows = []
-    for (cache, name, tp), row in sorted(rows.items(), key=lambda kv: (kv[0][0] != "cold", kv[0][1], kv[0][2])):
-        vs = {}
-        for a in ANCHORS:
-            ref = anchor(cache, a)
-            vs[a] = row.median / ref.median if ref is not None else None
-        cache_limit = limit[cache]
-        of_limit = row.gbps / cache_limit if cache_limit else None
-        say(f"{cache:<5} {name:<16} {tp:<12} {row.bytes / GB:>8.2f} {row.median:>9.3f} "
-             f"{min(row.seconds):>7.3f}-{max(row.seconds):<7.3f} {row.gbps:>7.2f} {_pct(of_limit):>8} "
-             f"{_ratio(vs['safetensors']):>6} {_ratio(vs['fastsafetensors']):>6} {_ratio(vs['instanttensor']):>6} "
-             f"{max(row.alloc_extra) / 1e6:>9.1f} {max(row.driver_extra) / 1e6:>9.1f} "
-             f"{'yes' if not row.mismatches else 'NO':>3}")
-        out_rows.append({**asdict(row), "median_s": row.median, "gbps": row.gbps, "of_limit": of_limit,
-                         "time_vs": vs, "read_fraction": row.bytes / s.total})
-    say("(vs st/fst/it: median time / the anchor's TP=1 median time, same cache; below 1 is faster. dev: torch "
-         "allocator peak beyond the destinations; drv: the driver's used-memory peak beyond the start)")
-
-    verdicts: list[dict[str, Any]] = []
-
-    def verdict(label: str, value: float | None, bound: float, *, at_least: bool = False, note: str = "") -> None:
-        ok = None if value is None else (value >= bound if at_least else value <= bound)
-        verdicts.append({"label": label, "value": value, "bound": bound, "ok": ok, "note": note})
-
-    fastload_names = sorted({name for (_, name, _) in rows if name.startswith("fastload-")})
-    for name in fastload_names:
-        for cache in ("cold", "warm"):
-            tp1, cache_limit = rows.get((cache, name, TP1)), limit[cache]
-            verdict(f"{name} TP=1 {cache}: >= 90% of the limit", tp1.gbps / cache_limit
-                    if tp1 and cache_limit else None, 0.9, at_least=True)
-            for a in ("fastsafetensors", "instanttensor"):
-                ref = anchor(cache, a)
-                verdict(f"{name} TP=1 {cache}: ahead of {a} (time ratio < 1)",
-                        tp1.median / ref.median if tp1 and ref else None, 1.0,
-                        note=skipped.get(a, "not measured") if ref is None else "")
-            tp2 = rows.get((cache, name, TP2))
-            verdict(f"{name} TP=2 rank 1 {cache}: time <= 0.6x its TP=1 time",
-                    tp2.median / tp1.median if tp2 and tp1 else None, 0.6)
-        verdict(f"{name} TP=2 rank 1: bytes read <= 0.55x checkpoint", tp2_fraction.get(name), 0.55)
-        extra = [max(r.alloc_extra) for r in rows.values() if r.loader == name]
-        verdict(f"{name}: device memory beyond destinations <= memory_budget ({budget / 2**20:.0f} MiB)",
-                max(extra) / budget if extra else None, 1.0, note="ratio to the budget (torch allocator)")
-    bad = sum(r.mismatches for r in rows.values())
-    verdict("every load equals safetensors' CPU read, bit for bit (tensors wrong)", bad, 0)
-    # A fastload backend that raised is a failure of the check, not a skipped anchor (a kvikio
-    # that cannot be imported is skipped before any load and is not counted here).
-    fastload_failed = sorted(k for k, v in skipped.items() if k.startswith("fastload-") and v.startswith("failed"))
-    verdict("no fastload load raised (loaders that failed)", len(fastload_failed), 0,
-            note=", ".join(fastload_failed))
-    if ev.failures:
-        verdicts.append({"label": "cold repetitions were cold", "value": ev.worst_resident, "bound": 0.05,
-                         "ok": False, "note": ev.note()})
-    say("\ntargets:")
-    for v in verdicts:
-        mark = "n/a" if v["ok"] is None else ("ok" if v["ok"] else "MISSED")
-        value = "-" if v["value"] is None else f"{v['value']:.3f}"
-        say(f"  [{mark}] {v['label']}: {value}{'  (' + v['note'] + ')' if v['note'] else ''}")
-    for name, why in skipped.items():
+        f"GB/s, pinned H2D {_fmt(h2d)} GB/s -> limit cold {_fmt(limit['cold'])}, warm {_fmt(limit['warm'])} GB/s")
+    say(f"eviction: {run.ev.note()}")
+    out_rows = _table(run.rows, limit, s.total, say)
+    verdicts = _verdicts(run, limit)
+    print_verdicts(verdicts, say)
+    for name, why in run.skipped.items():
         say(f"  skipped {name}: {why}")
-    say(f"kvikio: {gds.get('why')}; {len(loaders)} loaders x {meta['reps_done']} repetitions x cold/warm in "
-         f"{time.perf_counter() - meta['started']:.0f} s")
-    spec = meta["spec"]
+    say(f"kvikio: {run.gds.get('why')}; {len(run.loaders)} loaders x {run.reps_done} repetitions x cold/warm in "
+        f"{time.perf_counter() - run.started:.0f} s")
+    spec = run.opts.spec
+    fastload_failed = _fastload_failed(run.skipped)
     return {
-        "version": 1, "smoke": meta["smoke"], "environment": env,
-        "checkpoint": {"dir": s.model, "bytes": s.total, "files": len(s.files), "filesystem": meta["fs"],
-                       "write_or_reuse_s": meta["write_s"],
+        "version": 1, "smoke": run.opts.smoke, "environment": run.env,
+        "checkpoint": {"dir": s.model, "bytes": s.total, "files": len(s.files), "filesystem": run.fs,
+                       "write_or_reuse_s": run.write_s,
                        "spec": {**spec.__dict__, "dtype": str(spec.dtype)}},
-        "config": json.loads(config.model_dump_json(exclude={"on_layer_ready"})),
-        "gds": gds, "limits": {**limits, "cold": limit["cold"], "warm": limit["warm"]},
-        "eviction": {**asdict(ev), "note": ev.note()}, "rows": out_rows,
-        "loaders": [{"name": x.name, "tp": x.tp, "note": x.note} for x in loaders],
-        "skipped": skipped, "first_use_s": meta["first_use"], "verdicts": verdicts, "reps_done": meta["reps_done"],
-        "correct": bad == 0 and not fastload_failed, "fastload_failed": fastload_failed,
-        "elapsed_s": time.perf_counter() - meta["started"],
+        "config": json.loads(run.config.model_dump_json(exclude={"on_layer_ready"})),
+        "gds": run.gds, "limits": {**run.limits, "cold": limit["cold"], "warm": limit["warm"]},
+        "eviction": {**asdict(run.ev), "note": run.ev.note()}, "rows": out_rows,
+        "loaders": [{"name": x.name, "tp": x.tp, "note": x.note} for x in run.loaders],
+        "skipped": run.skipped, "first_use_s": run.first_use, "targets": verdicts, "reps_done": run.reps_done,
+        "correct": not sum(r.mismatches for r in run.rows.values()) and not fastload_failed,
+        "fastload_failed": fastload_failed, "elapsed_s": time.perf_counter() - run.started,
     }
+
+
+def _table(rows: dict[tuple[str, str, str], Row], limit: dict, total: int, say: Callable[..., None]) -> list[dict]:
+    """Print the rows, cold first; the JSON form of each."""
+    say(f"{'cache':<5} {'loader':<16} {'TP':<12} {'read GB':>8} {'median s':>9} {'spread s':>15} {'GB/s':>7} "
+        f"{'of limit':>8} {'vs st':>6} {'vs fst':>6} {'vs it':>6} {'dev +MB':>9} {'drv +MB':>9} {'ok':>3}")
+    out = []
+    for (cache, name, tp), row in sorted(rows.items(), key=lambda kv: (kv[0][0] != "cold", kv[0][1], kv[0][2])):
+        refs = {a: rows.get((cache, a, TP1)) for a in ANCHORS}
+        vs = {a: row.median / ref.median if ref is not None else None for a, ref in refs.items()}
+        of_limit = row.gbps / limit[cache] if limit[cache] else None
+        say(f"{cache:<5} {name:<16} {tp:<12} {row.bytes / GB:>8.2f} {row.median:>9.3f} "
+            f"{min(row.seconds):>7.3f}-{max(row.seconds):<7.3f} {row.gbps:>7.2f} {_pct(of_limit):>8} "
+            f"{_ratio(vs['safetensors']):>6} {_ratio(vs['fastsafetensors']):>6} {_ratio(vs['instanttensor']):>6} "
+            f"{max(row.alloc_extra) / 1e6:>9.1f} {max(row.driver_extra) / 1e6:>9.1f} "
+            f"{'yes' if not row.mismatches else 'NO':>3}")
+        out.append({**asdict(row), "median_s": row.median, "gbps": row.gbps, "of_limit": of_limit,
+                    "time_vs": vs, "read_fraction": row.bytes / total})
+    say("(vs st/fst/it: median time / the anchor's TP=1 median time, same cache; below 1 is faster. dev: torch "
+        "allocator peak beyond the destinations; drv: the driver's used-memory peak beyond the start)")
+    return out
+
+
+def _fastload_failed(skipped: dict[str, str]) -> list[str]:
+    """fastload's loads that raised: a failure of the check, not a skipped anchor (a kvikio that
+    cannot be imported is skipped before any load and is not counted here)."""
+    return sorted(k for k, v in skipped.items() if k.startswith("fastload-") and v.startswith("failed"))
+
+
+def _verdicts(run: Run, limit: dict) -> list[dict]:
+    """Every fastload backend against the limits, the anchors and its own TP=1 time; then the
+    run's exactness and how cold its cold repetitions were."""
+    rows, budget = run.rows, int(run.config.memory_budget)
+    out: list[dict] = []
+    for name in sorted({name for (_, name, _) in rows if name.startswith("fastload-")}):
+        for cache in ("cold", "warm"):
+            out += _backend_verdicts(rows, name, cache, limit[cache], run.skipped)
+        tp2 = [r.bytes / run.setup.total for r in rows.values() if r.tp == TP2 and r.loader == name]
+        out.append(verdict(f"{name} TP=2 rank 1: bytes read <= 0.55x checkpoint", tp2[-1] if tp2 else None, 0.55,
+                           required=False))
+        extra = [max(r.alloc_extra) for r in rows.values() if r.loader == name]
+        out.append(verdict(f"{name}: device memory beyond destinations <= memory_budget ({budget / 2**20:.0f} MiB)",
+                           max(extra) / budget if extra else None, 1.0, "ratio to the budget (torch allocator)",
+                           required=False))
+    out.append(verdict("every load equals safetensors' CPU read, bit for bit (tensors wrong)",
+                       sum(r.mismatches for r in rows.values()), 0))
+    failed = _fastload_failed(run.skipped)
+    out.append(verdict("no fastload load raised (loaders that failed)", len(failed), 0, ", ".join(failed)))
+    if run.ev.failures:
+        out.append(verdict("cold repetitions were cold", run.ev.worst_resident, 0.05, run.ev.note()))
+    return out
+
+
+def _backend_verdicts(rows: dict[tuple[str, str, str], Row], name: str, cache: str, cache_limit: float | None,
+                      skipped: dict[str, str]) -> list[dict]:
+    tp1, tp2 = rows.get((cache, name, TP1)), rows.get((cache, name, TP2))
+    out = [verdict(f"{name} TP=1 {cache}: >= 90% of the limit", tp1.gbps / cache_limit
+                   if tp1 and cache_limit else None, 0.9, at_least=True, required=False)]
+    for a in ("fastsafetensors", "instanttensor"):
+        ref = rows.get((cache, a, TP1))
+        out.append(verdict(f"{name} TP=1 {cache}: ahead of {a} (time ratio < 1)",
+                           tp1.median / ref.median if tp1 and ref else None, 1.0,
+                           skipped.get(a, "not measured") if ref is None else "", required=False))
+    out.append(verdict(f"{name} TP=2 rank 1 {cache}: time <= 0.6x its TP=1 time",
+                       tp2.median / tp1.median if tp2 and tp1 else None, 0.6, required=False))
+    return out
 
 
 def _fmt(x: float | None) -> str:

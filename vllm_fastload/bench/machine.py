@@ -17,10 +17,10 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from vllm_fastload.bench.cache import evict
 from vllm_fastload.readers import direct, memory
-from vllm_fastload.tools.pagecache import evict
 
-__all__ = ["MachineState", "evict", "first_touch_gbps", "release_memory"]
+__all__ = ["MachineState", "first_touch_gbps", "release_memory"]
 
 
 def first_touch_gbps(nbytes: int = 512 << 20) -> float:

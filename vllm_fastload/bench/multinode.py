@@ -36,15 +36,21 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from vllm_fastload.bench.machine import evict
-from vllm_fastload.bench.vllm import LLM_KWARGS, LOADERS, parse_target_spec, root_cause
+from vllm_fastload.bench.cache import evict
+from vllm_fastload.bench.loaders import LOADERS, check_known
+from vllm_fastload.bench.targets import Target, all_met, by_name, print_verdicts, verdict
+from vllm_fastload.bench.targets import parse_targets as parse_spec
+from vllm_fastload.bench.vllm import records, start_command
+from vllm_fastload.bench.worker_hooks import timed_env
 from vllm_fastload.tools.checkpoints import write_checkpoint
 from vllm_fastload.tools.processes import remove_logged_cpu_shm
-from vllm_fastload.tools.vllm_server import free_port, vllm_env
+from vllm_fastload.tools.servers import free_port
+from vllm_fastload.tools.vllm_server import vllm_env
 
 #: name -> (pipeline stages, tensor-parallel size): one rank per node either way.
 LAYOUTS = {"pp": (2, 1), "tp": (1, 2)}
@@ -60,15 +66,15 @@ PP_COMPILATION = {"mode": 1, "backend": "eager"}
 #: The early-reads line of a node that reads its share (``model.early``).
 NODE_READS = re.compile(r"fastload: early reads: \d+ checkpoint files \([\d.]+ of [\d.]+ GB: ([\d.]+) of the "
                         r"checkpoint, ([\d.]+) of its layers; node \d of \d holds .*?\) into the page cache")
-#: Targets: name -> (limit, what it checks); ratios of medians.
-TARGETS = {
-    "nodes-bytes": (1.10, "bytes both nodes pulled from the server / checkpoint, fastload"),
-    "nodes-default": (0.60, "fastload / default loader, load_weights of the slowest rank"),
-    "nodes-prefetch": (1.00, "fastload / the default loader's prefetch strategy, load_weights"),
-    "nodes-early": (0.55, "PP: each node's early reads / the checkpoint's layers (embeddings and head aside)"),
-    "nodes-cached": (-0.90, "PP: the smallest share of its bytes a rank found in the page cache, negated "
-                            "(-0.90: at least 90%)"),
-}
+#: Ratios of medians unless said otherwise.
+TARGETS = by_name(
+    Target("nodes-bytes", 1.10, "bytes both nodes pulled from the server / checkpoint, fastload"),
+    Target("nodes-default", 0.60, "fastload / default loader, load_weights of the slowest rank"),
+    Target("nodes-prefetch", 1.00, "fastload / the default loader's prefetch strategy, load_weights"),
+    Target("nodes-early", 0.55, "PP: each node's early reads / the checkpoint's layers (embeddings and head aside)"),
+    Target("nodes-cached", -0.90, "PP: the smallest share of its bytes a rank found in the page cache, negated "
+                                  "(-0.90: at least 90%)"),
+)
 
 
 class NodeSources:
@@ -172,56 +178,48 @@ def start_two_nodes(models: list[str], loader: str, layout: str, envs: list[dict
                     timeout: float = 900) -> dict:
     """One two-node start: node 1 headless, then node 0's ``LLM``; the ranks' records (``worker_hooks``),
     each node's log and its early-reads share."""
-    load_format, extra = LOADERS[loader]
     pp, tp = LAYOUTS[layout]
     probe = Path(tempfile.mkdtemp(dir=work))
-    port = free_port()
     kwargs: dict[str, Any] = {"pipeline_parallel_size": pp, "nnodes": 2, "master_addr": "127.0.0.1",
-                              "master_port": port, **LLM_KWARGS.get(loader, {})}
+                              "master_port": free_port()}
     if pp > 1:
         kwargs.update(enforce_eager=False, compilation_config=PP_COMPILATION)
-    site = str(Path(__file__).parent / "site")
     logs = [probe / "node0.log", probe / "node1.log"]
-
-    def env(node: int) -> dict[str, str]:
-        out = vllm_env(1, FASTLOAD_DEV_BENCH_DIR=str(probe), FASTLOAD_PROGRESS="false", FASTLOAD_DEV_BENCH_CACHE="",
-                       VLLM_CPU_OMP_THREADS_BIND=str(1 - node), **envs[node])
-        out["PYTHONPATH"] = os.pathsep.join([site, out.get("PYTHONPATH", "")])
-        return out
-
-    node1_flags = ["--headless", "--model", models[1], "--load-format", load_format, "--tensor-parallel-size", str(tp),
-                   "--max-model-len", "128", "--dtype", "bfloat16", "--skip-tokenizer-init",
-                   "--api-server-count", "1", "--node-rank", "1",
-                   *_cli_flags({k: v for k, v in kwargs.items() if k != "enforce_eager"}),
-                   *(["--enforce-eager"] if pp == 1 else []),
-                   *(["--model-loader-extra-config", json.dumps(extra)] if extra else [])]
-    cmd0 = [sys.executable, "-m", "vllm_fastload.bench.start_vllm", models[0], load_format, str(tp),
-            json.dumps(extra) if extra else "", json.dumps({**kwargs, "node_rank": 0})]
+    env = [timed_env(vllm_env(1, FASTLOAD_PROGRESS="false", FASTLOAD_DEV_BENCH_CACHE="",
+                              VLLM_CPU_OMP_THREADS_BIND=str(1 - node), **envs[node]), probe) for node in range(2)]
     started = time.time()
     with logs[1].open("wb") as log1:
-        node1 = subprocess.Popen([sys.executable, "-m", "vllm_fastload.bench.start_vllm", *node1_flags],
-                                 stdout=log1, stderr=subprocess.STDOUT, env=env(1), start_new_session=True)
+        node1 = subprocess.Popen(_headless_command(models[1], loader, tp, kwargs), stdout=log1,
+                                 stderr=subprocess.STDOUT, env=env[1], start_new_session=True)
     try:
         with logs[0].open("wb") as log0:
-            node0 = subprocess.Popen(cmd0, stdout=log0, stderr=subprocess.STDOUT, env=env(0), start_new_session=True)
+            node0 = subprocess.Popen(start_command(models[0], loader, tp, {**kwargs, "node_rank": 0}), stdout=log0,
+                                     stderr=subprocess.STDOUT, env=env[0], start_new_session=True)
             returncode = _wait_for_head(node0, node1, timeout)
     finally:
         _stop(node1)
         for log in logs:
             remove_logged_cpu_shm(log)
-    texts = [log.read_text(errors="replace") for log in logs]
-    ranks = sorted((json.loads(p.read_text()) for p in probe.glob("rank*.json")), key=lambda r: r["rank"])
-    models_ = {r["rank"]: r for r in (json.loads(p.read_text()) for p in probe.glob("model*.json"))}
-    ready = probe / "ready.json"
-    if returncode != 0 or len(ranks) != pp * tp or not ready.exists():
-        return {"error": f"exit {returncode}, {len(ranks)} rank records: {root_cause(texts[0] + texts[1])} "
-                         f"(logs: {logs[0]}, {logs[1]})"}
-    for r in ranks:
-        r.update({k: v for k, v in models_.get(r["rank"], {}).items() if k != "rank"})
-    early = [NODE_READS.search(text) for text in texts]
-    return {"ranks": ranks, "ready_s": json.loads(ready.read_text())["ready_at"] - started,
-            "early_layers": [float(m.group(2)) if m else None for m in early],
+    res = records(probe, started, pp * tp, returncode, logs)
+    if "error" in res:
+        return res
+    early = [NODE_READS.search(log.read_text(errors="replace")) for log in logs]
+    return {**res, "early_layers": [float(m.group(2)) if m else None for m in early],
             "early_share": [float(m.group(1)) if m else None for m in early]}
+
+
+def _headless_command(model: str, loader: str, tp: int, kwargs: dict[str, Any]) -> list[str]:
+    """Node 1's command line: ``vllm serve --headless`` through ``start_vllm``, with ``LLM(...)``'s
+    ``kwargs`` as its flags."""
+    spec = LOADERS[loader]
+    assert spec.vllm_format is not None, f"{loader} is no vLLM loader"
+    kwargs = {**kwargs, **spec.vllm_args}
+    eager = ["--enforce-eager"] if kwargs.get("enforce_eager", True) else []
+    extra = ["--model-loader-extra-config", json.dumps(dict(spec.config))] if spec.config else []
+    return [sys.executable, "-m", "vllm_fastload.bench.start_vllm", "--headless", "--model", model, "--load-format",
+            spec.vllm_format, "--tensor-parallel-size", str(tp), "--max-model-len", "128", "--dtype", "bfloat16",
+            "--skip-tokenizer-init", "--api-server-count", "1", "--node-rank", "1",
+            *_cli_flags({k: v for k, v in kwargs.items() if k != "enforce_eager"}), *eager, *extra]
 
 
 def _wait_for_head(node0: subprocess.Popen, node1: subprocess.Popen, timeout: float) -> int:
@@ -250,7 +248,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 def parse_targets(spec: str | None) -> dict[str, float]:
     """``--targets`` of ``bench --nodes 2``: ``all`` or names from TARGETS, each with an optional limit."""
-    return parse_target_spec(spec, {name: limit for name, (limit, _) in TARGETS.items()}, TARGETS, " for --nodes 2")
+    return parse_spec(spec, TARGETS, where=" for --nodes 2")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -261,9 +259,7 @@ def main(args: argparse.Namespace) -> int:
     if layout not in LAYOUTS:
         raise SystemExit(f"--layout {layout!r}: expected one of {', '.join(LAYOUTS)}")
     loaders = args.loaders.split(",") if args.loaders else SOURCE_LOADERS[source]
-    unknown = [n for n in loaders if n not in LOADERS]
-    if unknown:
-        raise SystemExit(f"unknown loader(s) {', '.join(unknown)}; known: {', '.join(LOADERS)}")
+    check_known(loaders, "vllm")
     targets = parse_targets(args.targets)
     local = Path(args.model or write_checkpoint(".fastload/netfs-llama", "netfs-llama", files=4))
     total = sum(p.stat().st_size for p in local.glob("*.safetensors"))
@@ -289,14 +285,12 @@ def main(args: argparse.Namespace) -> int:
     rows = summarize(results, total)
     print_table(rows, total, source, layout)
     verdicts = check(rows, targets, layout)
-    for v in verdicts:
-        print(f"  {'ok  ' if v['ok'] else 'MISS'} {v['target']}: "
-              + (f"{v['value']:.3f}" if v["value"] is not None else "-") + f" (limit {v['limit']:g}; {v['detail']})")
+    print_verdicts(verdicts)
     out = Path(args.out) / f"bench-vllm-nodes-{source}-{layout}.json"
     out.write_text(json.dumps({"source": source, "layout": layout, "checkpoint_bytes": total, "rows": rows,
                                "raw": results, "targets": verdicts}, indent=2))
     print(f"wrote {out}")
-    return 1 if any(not v["ok"] for v in verdicts) else 0
+    return 0 if all_met(verdicts) else 1
 
 
 def _node_of(rank: int) -> int:
@@ -304,7 +298,7 @@ def _node_of(rank: int) -> int:
 
 
 def _start(nodes: NodeSources, name: str, layout: str, work: Path) -> dict:
-    if name != "safetensors+download":
+    if not LOADERS[name].download:
         return start_two_nodes(nodes.models, name, layout, nodes.envs, work)
     copies, seconds = zip(*(nodes.download(n) for n in range(2)))
     downloaded = nodes.take()
@@ -386,31 +380,47 @@ def print_table(rows: list[dict], total: int, source: str, layout: str) -> None:
 
 
 def check(rows: list[dict], targets: dict[str, float], layout: str) -> list[dict]:
-    verdicts = []
     fl = _row(rows, "fastload")
+    if fl is None:
+        return [verdict(name, None, limit, "fastload not measured") for name, limit in targets.items()]
+    verdicts = []
     for name, limit in targets.items():
-        value: float | None = None
-        if fl is None:
-            detail = "fastload not measured"
-        elif name == "nodes-bytes":
-            value, detail = fl["pulled_median"], TARGETS[name][1]
-            base = _row(rows, "safetensors") or _row(rows, "runai_streamer")
-            if base:
-                detail += f"; {base['loader']}: {base['pulled_median']:.2f}x"
-        elif name in ("nodes-default", "nodes-prefetch"):
-            other = _row(rows, "safetensors" if name == "nodes-default" else "safetensors-prefetch") or (
-                _row(rows, "runai_streamer") if name == "nodes-default" else None)
-            value = fl["seconds_median"] / other["seconds_median"] if other else None
-            detail = TARGETS[name][1] if other else "rows not measured"
-        elif name == "nodes-early":
-            value, detail = fl["early_layers_max"], TARGETS[name][1]
-            if value is None:  # early reads off on this source by default: the early row says it
-                early = _row(rows, "fastload-early")
-                value = early["early_layers_max"] if early else None
-                detail += " (fastload-early)"
-        else:
-            cached = fl["own_cached_min"]
-            value, detail = (-cached if cached is not None else None), TARGETS[name][1]
-        ok = value is not None and value <= limit
-        verdicts.append({"target": name, "value": value, "limit": limit, "ok": ok, "detail": detail})
+        value, detail = _JUDGES[name](rows, fl)
+        verdicts.append(verdict(name, value, limit, detail))
     return verdicts
+
+
+def _bytes(rows: list[dict], fl: dict) -> tuple[float | None, str]:
+    detail = TARGETS["nodes-bytes"].what
+    base = _row(rows, "safetensors") or _row(rows, "runai_streamer")
+    return fl["pulled_median"], detail + (f"; {base['loader']}: {base['pulled_median']:.2f}x" if base else "")
+
+
+def _ratio_to(name: str, other: dict | None, fl: dict) -> tuple[float | None, str]:
+    if other is None:
+        return None, "rows not measured"
+    return fl["seconds_median"] / other["seconds_median"], TARGETS[name].what
+
+
+def _early(rows: list[dict], fl: dict) -> tuple[float | None, str]:
+    detail = TARGETS["nodes-early"].what
+    if fl["early_layers_max"] is not None:
+        return fl["early_layers_max"], detail
+    early = _row(rows, "fastload-early")  # early reads off on this source by default: the early row says it
+    return (early["early_layers_max"] if early else None), detail + " (fastload-early)"
+
+
+def _cached(rows: list[dict], fl: dict) -> tuple[float | None, str]:
+    cached = fl["own_cached_min"]
+    return (-cached if cached is not None else None), TARGETS["nodes-cached"].what
+
+
+#: How each target is judged: (value, detail) from the rows and fastload's.
+_JUDGES: Mapping[str, Callable[[list[dict], dict], tuple[float | None, str]]] = {
+    "nodes-bytes": _bytes,
+    "nodes-default": lambda rows, fl: _ratio_to("nodes-default", _row(rows, "safetensors")
+                                                or _row(rows, "runai_streamer"), fl),
+    "nodes-prefetch": lambda rows, fl: _ratio_to("nodes-prefetch", _row(rows, "safetensors-prefetch"), fl),
+    "nodes-early": _early,
+    "nodes-cached": _cached,
+}

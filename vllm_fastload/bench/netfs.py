@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from vllm_fastload.tools.processes import stop_process_group
+from vllm_fastload.tools.servers import free_port
 
 #: Binaries a mount needs, and the Debian package that has each.
 BINARIES = {"sshd": "openssh-server", "ssh-keygen": "openssh-client", "ssh": "openssh-client",
@@ -52,12 +53,6 @@ def missing() -> list[str]:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(cmd: list[str], what: str, timeout: float = 60) -> None:
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
     if proc.returncode != 0:
@@ -77,7 +72,7 @@ class SshServer:
 
     def __init__(self, workdir: Path, startup_timeout_s: float = 20.0) -> None:
         self.dir = workdir
-        self.port = _free_port()
+        self.port = free_port()
         self.user = os.environ.get("USER") or _username()
         self.client_key = workdir / "client_key"
         self._timeout = startup_timeout_s

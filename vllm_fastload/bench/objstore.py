@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import http.client
 import shutil
-import socket
 import subprocess
 import tempfile
 import threading
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from vllm_fastload.tools.processes import stop_process_group
+from vllm_fastload.tools.servers import free_port
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self from Python 3.11
@@ -60,18 +60,12 @@ def ensure_s3rver(prefix: Path = S3RVER_DIR) -> Path:
     return script
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
 class S3rver:
     """``node s3rver.js`` on 127.0.0.1:<free port> with one bucket, data in a temporary directory."""
 
     def __init__(self, script: Path, startup_timeout_s: float = 30.0) -> None:
         self.script = script
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://{HOST}:{self.port}"
         self._timeout = startup_timeout_s
         self._tmp: tempfile.TemporaryDirectory | None = None

@@ -16,6 +16,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from vllm_fastload.bench import objstore
+from vllm_fastload.bench.loaders import LOADERS
 
 PREFIX = "checkpoint"
 
@@ -61,7 +62,7 @@ class S3Bench:
 
     def sample_limit(self) -> float:
         """The server's own limit, through a proxy like every loader's requests (not counted as a rank's)."""
-        from vllm_fastload.bench.machine import evict
+        from vllm_fastload.bench.cache import evict
 
         evict(self.server_files())
         value = objstore.server_limit_gbps(self.rank_proxies[0].url, self.sizes)
@@ -83,7 +84,7 @@ class S3Bench:
         copy for the default loader; server-side byte counts added to the result."""
         for proxy in (self.shared, *self.rank_proxies):
             proxy.take()
-        if name != "safetensors+download":
+        if not LOADERS[name].download:
             res = start(self.uri, self.env(tp))
             if "error" not in res:
                 res["served_per_rank"] = [p.take()[0] for p in self.rank_proxies[:tp]]

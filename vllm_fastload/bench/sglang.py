@@ -8,10 +8,11 @@ interleaved within every repetition (each repetition starts with the next loader
 drop the checkpoint from the page cache before every start, the warm rows read it in first.
 
 The loaders: fastload (its early reads on, as a user gets them), SGLang's default loader
-(``auto``), and the default loader with SGLang's own cold-start aid, ``--startup-weight-load-mode
-overlap`` (it stages the checkpoint's files while CUDA graphs are captured). SGLang refuses
-overlap where it cannot run it (it needs CUDA graphs: not on a CPU); a loader whose start fails is
-not started again at that TP, and the table shows why.
+(``safetensors``: ``--load-format auto``), and the default loader with SGLang's own cold-start aid
+(``safetensors-overlap``: ``--startup-weight-load-mode overlap``; it stages the checkpoint's files
+while CUDA graphs are captured). SGLang refuses overlap where it cannot run it (it needs CUDA
+graphs: not on a CPU); a loader whose start fails is not started again at that TP, and the table
+shows why.
 """
 
 from __future__ import annotations
@@ -19,26 +20,39 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from vllm_fastload.bench.machine import MachineState, evict
+from vllm_fastload.bench.cache import evict, warm
+from vllm_fastload.bench.loaders import LOADERS, check_known
+from vllm_fastload.bench.logs import root_cause
+from vllm_fastload.bench.machine import MachineState
+from vllm_fastload.bench.targets import Target, all_met, by_name, parse_targets, print_verdicts, verdict
 from vllm_fastload.tools.checkpoints import write_checkpoint
-from vllm_fastload.tools.sglang_server import SMALL_MODEL_FLAGS, ServerExited, SglangServer, sglang_env
+from vllm_fastload.tools.servers import ServerExited
+from vllm_fastload.tools.sglang_server import SMALL_MODEL_FLAGS, SglangServer, sglang_env
 
-#: name -> SGLang arguments that select the loader.
-LOADERS: dict[str, list[str]] = {
-    "fastload": ["--load-format", "fastload"],
-    "default": ["--load-format", "auto"],
-    "default+overlap": ["--load-format", "auto", "--startup-weight-load-mode", "overlap"],
+#: The loaders measured unless ``--loaders`` says otherwise (``bench.loaders`` says what each is).
+SGLANG_LOADERS = ("fastload", "safetensors", "safetensors-overlap")
+#: The cold-start targets (a cold start costs what a warm one costs); ratios of medians.
+TARGETS = by_name(
+    Target("weights-cold-warm", 1.15, "fastload cold / fastload warm, weight load"),
+    Target("weights-cold", 0.5, "fastload cold / safetensors cold, weight load"),
+    Target("weights-cold-overlap", 0.9, "fastload cold / safetensors-overlap cold, weight load"),
+    Target("weights-warm", 1.0, "fastload warm / safetensors warm, weight load"),
+    Target("ready-cold", 1.0, "fastload cold / safetensors cold, process start to ready"),
+    Target("share-tp2", 0.56, "TP=2: the largest share of the checkpoint a fastload rank read"),
+)
+#: The ratio targets: name -> fastload's row (cache, loader), the other row, the medians compared.
+_RATIOS = {
+    "weights-cold-warm": (("cold", "fastload"), ("warm", "fastload"), "load_median"),
+    "weights-cold": (("cold", "fastload"), ("cold", "safetensors"), "load_median"),
+    "weights-cold-overlap": (("cold", "fastload"), ("cold", "safetensors-overlap"), "load_median"),
+    "weights-warm": (("warm", "fastload"), ("warm", "safetensors"), "load_median"),
+    "ready-cold": (("cold", "fastload"), ("cold", "safetensors"), "ready_median"),
 }
-#: The cold-start targets (issue: the cold start costs what a warm one costs): name -> bound.
-TARGETS = {"fastload cold / fastload warm (weight load)": 1.15, "fastload cold / default cold (weight load)": 0.5,
-           "fastload cold / default+overlap cold (weight load)": 0.9, "fastload warm / default warm (weight load)": 1.0,
-           "fastload cold / default cold (ready)": 1.0, "read share per rank at TP=2": 0.56}
 
 
 @dataclass(frozen=True)
@@ -59,8 +73,8 @@ class Start:
 def start_once(model: str, loader: str, tp: int, log: Path) -> Start:
     """Start SGLang with ``loader`` on ``model`` at ``tp``, stop it once ready; its numbers."""
     env = sglang_env(tp, FASTLOAD_PROGRESS="false")
-    server = SglangServer(model, [*LOADERS[loader], *SMALL_MODEL_FLAGS], tp=tp, log_path=log, env=env,
-                          startup_timeout=900)
+    server = SglangServer(model, [*(LOADERS[loader].sglang_args or ()), *SMALL_MODEL_FLAGS], tp=tp, log_path=log,
+                          env=env, startup_timeout=900)
     try:
         server.start()
     except (ServerExited, TimeoutError):
@@ -72,26 +86,6 @@ def start_once(model: str, loader: str, tp: int, log: Path) -> Start:
         return Start(error=f"{len(parsed.load_s)} of {tp} ranks logged 'Load weight end' (log: {log})")
     return Start(load_s=max(parsed.load_s.values()), ready_s=server.ready_s,
                  read_share=tuple(parsed.read_share[r] for r in sorted(parsed.read_share)), early_gb=parsed.early_gb)
-
-
-_ERROR = re.compile(r"\b([A-Z]\w*(?:Error|Exception)): (.+)$")
-
-
-def root_cause(log: str) -> str:
-    """The first exception line of a failed start's log (SGLang prints the rank's error, then the
-    launcher's consequences)."""
-    for line in log.splitlines():
-        match = _ERROR.search(line)
-        if match and "ConnectionRefused" not in match.group(1):
-            return f"{match.group(1)}: {match.group(2).strip()}"[:300]
-    return "no exception line; the log ends with: " + " | ".join(log.splitlines()[-3:])[:300]
-
-
-def _warm(paths: list[str]) -> None:
-    for p in paths:
-        with open(p, "rb") as f:
-            while f.read(64 << 20):
-                pass
 
 
 def run(model: str, tps: list[int], caches: list[str], repeats: int, loaders: list[str], work: Path,
@@ -117,7 +111,7 @@ def run(model: str, tps: list[int], caches: list[str], repeats: int, loaders: li
                     if cache == "cold":
                         evict(files)
                     else:
-                        _warm(files)
+                        warm(files)
                     result = start_once(model, name, tp, work / f"{name}-tp{tp}-{cache}-{rep}.log")
                     results.setdefault(key, []).append(result)
                     if result.error is not None:
@@ -164,8 +158,8 @@ def table(rows: list[dict]) -> str:
         if "error" in r:
             lines.append(f"{head} did not start: {r['error']} | | | | | |")
             continue
-        base = _find(rows, r["tp"], r["cache"], "default")
-        if base is None or "error" in base or r["loader"] == "default":
+        base = _find(rows, r["tp"], r["cache"], "safetensors")
+        if base is None or "error" in base or r["loader"] == "safetensors":
             load_vs = ready_vs = "-"
         else:
             load_vs = f"{r['load_median'] / base['load_median']:.2f}x"
@@ -178,40 +172,32 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def verdicts(rows: list[dict], tps: list[int]) -> list[str]:
-    """Each target at each TP: the ratio of the medians in ``rows``, met or missed, or why it is not measured."""
-    out = []
-
-    def ratio(name: str, tp: int, a: tuple[str, str], b: tuple[str, str], field: str) -> None:
-        ra, rb = _find(rows, tp, a[0], a[1]), _find(rows, tp, b[0], b[1])
-        bound = TARGETS[name]
-        missing = [f"{c} {loader}: {r['error'] if r and 'error' in r else 'not run'}"
-                   for (c, loader), r in ((a, ra), (b, rb)) if r is None or "error" in r]
-        if missing:
-            out.append(f"TP={tp} {name} <= {bound}: not measured ({'; '.join(missing)})")
-            return
-        assert ra is not None and rb is not None
-        value = ra[field] / rb[field]
-        saving = f", {rb[field] - ra[field]:+.2f} s saved" if field == "ready_median" else ""
-        out.append(f"TP={tp} {name} <= {bound}: {value:.2f}x ({ra[field]:.2f} / {rb[field]:.2f} s{saving}) "
-                   f"{'met' if value <= bound else 'MISSED'}")
-
-    for tp in tps:
-        ratio("fastload cold / fastload warm (weight load)", tp, ("cold", "fastload"), ("warm", "fastload"),
-              "load_median")
-        ratio("fastload cold / default cold (weight load)", tp, ("cold", "fastload"), ("cold", "default"),
-              "load_median")
-        ratio("fastload cold / default+overlap cold (weight load)", tp, ("cold", "fastload"),
-              ("cold", "default+overlap"), "load_median")
-        ratio("fastload warm / default warm (weight load)", tp, ("warm", "fastload"), ("warm", "default"),
-              "load_median")
-        ratio("fastload cold / default cold (ready)", tp, ("cold", "fastload"), ("cold", "default"), "ready_median")
-        if tp == 2:
-            shares = [s for r in rows if r["tp"] == 2 and r["loader"] == "fastload" for s in r.get("read_share", [])]
-            bound = TARGETS["read share per rank at TP=2"]
-            out.append(f"TP=2 read share per rank <= {bound}: " + (
-                f"{max(shares):.3f} {'met' if max(shares) <= bound else 'MISSED'}" if shares else "not measured"))
+def verdicts(rows: list[dict], tps: list[int], targets: dict[str, float] | None = None) -> list[dict]:
+    """Each target (``targets``: name -> limit; all of them by default) at each TP it applies to,
+    from the medians in ``rows``. One not measured is missed where ``targets`` asked for it, and
+    otherwise says why it was not measured."""
+    wanted = targets if targets is not None else {name: t.limit for name, t in TARGETS.items()}
+    required = targets is not None
+    out = [_ratio(rows, name, limit, tp, required) for tp in tps for name, limit in wanted.items() if name in _RATIOS]
+    if "share-tp2" in wanted and (2 in tps or required):
+        shares = [s for r in rows if r["tp"] == 2 and r["loader"] == "fastload" for s in r.get("read_share", [])]
+        out.append(verdict("share-tp2", max(shares) if shares else None, wanted["share-tp2"],
+                           "the largest share of the checkpoint a fastload rank read", tp="tp2", required=required))
     return out
+
+
+def _ratio(rows: list[dict], name: str, limit: float, tp: int, required: bool) -> dict:
+    a, b, field = _RATIOS[name]
+    ra, rb = _find(rows, tp, *a), _find(rows, tp, *b)
+    missing = [f"{c} {loader}: {r['error'] if r and 'error' in r else 'not run'}"
+               for (c, loader), r in ((a, ra), (b, rb)) if r is None or "error" in r]
+    if missing:
+        return verdict(name, None, limit, "; ".join(missing), tp=f"tp{tp}", required=required)
+    assert ra is not None and rb is not None
+    label = "ready" if field == "ready_median" else "weight load"
+    saved = f", {rb[field] - ra[field]:.2f} s saved" if field == "ready_median" else ""
+    return verdict(name, ra[field] / rb[field], limit, f"{label} {ra[field]:.2f} s ({a[0]} {a[1]}) / "
+                   f"{rb[field]:.2f} s ({b[0]} {b[1]}){saved}", tp=f"tp{tp}", required=required)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -225,10 +211,9 @@ def main(args: argparse.Namespace) -> int:
     if args.model and not Path(args.model).is_dir():
         raise SystemExit(f"--model {args.model}: not a checkpoint directory (bench --engine sglang reads local ones)")
     model = args.model or str(write_checkpoint(".fastload/bench-llama", "bench-llama", files=4))
-    loaders = args.loaders.split(",") if args.loaders else list(LOADERS)
-    unknown = [name for name in loaders if name not in LOADERS]
-    if unknown:
-        raise SystemExit(f"unknown loader(s) {', '.join(unknown)} for --engine sglang; known: {', '.join(LOADERS)}")
+    loaders = args.loaders.split(",") if args.loaders else list(SGLANG_LOADERS)
+    check_known(loaders, "sglang", " for --engine sglang")
+    wanted = parse_targets(args.targets, TARGETS, where=" for --engine sglang") if args.targets else None
     tps = [int(t) for t in args.tp.split(",")]
     caches = (args.cache or "warm,cold").split(",")
     if not caches or set(caches) - {"warm", "cold"}:
@@ -251,11 +236,11 @@ def main(args: argparse.Namespace) -> int:
     print("weight load: SGLang's 'Load weight end. elapsed' of the slowest rank; ready: the process's start to "
           "/health answering; medians (min-max)")
     print(table(rows))
-    checks = verdicts(rows, tps)
-    print("\n".join(checks))
+    checks = verdicts(rows, tps, wanted)
+    print_verdicts(checks)
     out = Path(args.out) / "bench-sglang.json"
     out.write_text(json.dumps({"model": model, "checkpoint_bytes": total, "sglang": sglang.__version__,
                                "rows": rows, "targets": checks, "machine": state.as_dict(),
                                "raw": {k: [asdict(s) for s in v] for k, v in results.items()}}, indent=1))
     print(f"wrote {out}; the servers' logs are in {work}")
-    return 0
+    return 0 if wanted is None or all_met(checks) else 1

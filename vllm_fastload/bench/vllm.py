@@ -19,22 +19,27 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import json
 import mmap
-import os
 import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import vllm_fastload
-from vllm_fastload.bench.machine import MachineState, evict, release_memory
+from vllm_fastload.bench.cache import evict, warm
+from vllm_fastload.bench.loaders import LOADERS, RENAMED, check_known, runs_on, why_not
+from vllm_fastload.bench.logs import root_cause
+from vllm_fastload.bench.machine import MachineState, release_memory
+from vllm_fastload.bench.targets import Target, all_met, by_name, print_verdicts, verdict
+from vllm_fastload.bench.targets import parse_targets as parse_spec
+from vllm_fastload.bench.worker_hooks import timed_env
 from vllm_fastload.sources.hub import is_repo_id
 from vllm_fastload.tools.checkpoints import write_checkpoint, write_random_checkpoint
 from vllm_fastload.tools.processes import remove_logged_cpu_shm
@@ -42,144 +47,62 @@ from vllm_fastload.tools.quantize import SCHEMES, quantize_checkpoint
 from vllm_fastload.tools.vllm_server import vllm_env
 from vllm_fastload.tp_rules import rank_requests
 
-#: name -> (load format, extra config)
-LOADERS: dict[str, tuple[str, dict | None]] = {
-    "fastload": ("fastload", None),
-    "fastload-buffered": ("fastload", {"direct_io": "never"}),
-    # Each rank reads its own columns of row-parallel weights, or shares the reads of whole rows
-    # (by default: object stores, and local disks that are cold as the load begins); both without
-    # early reads, so that a cold start is still cold when the load begins.
-    "fastload-no-exchange": ("fastload", {"row_exchange": "never", "early_reads": "never"}),
-    "fastload-exchange": ("fastload", {"row_exchange": "always", "early_reads": "never"}),
-    # The path through the model's load_weights (whole tensors from iter_tensors), which fastload
-    # takes where its probe cannot describe a model's loading.
-    "fastload-whole": ("fastload", {"plan_per_rank": False}),
-    # vLLM's post-processing per decoder layer during the read (opt-in); without early reads, so that
-    # a cold load reads while it post-processes (compare with fastload-no-early).
-    "fastload-post-per-layer": ("fastload", {"post_per_layer": True, "early_reads": "never"}),
-    # Early reads (the checkpoint read into the page cache from the moment vLLM has its config):
-    # on every filesystem, and never.
-    "fastload-early": ("fastload", {"early_reads": "always"}),
-    "fastload-no-early": ("fastload", {"early_reads": "never"}),
-    # The reader on one thread: copies and the destinations' faults in one thread, none ahead.
-    "fastload-one-thread": ("fastload", {"threads": 1}),
-    "safetensors": ("safetensors", None),
-    "safetensors-mt": ("safetensors", {"enable_multithread_load": True, "num_threads": 8}),
-    "safetensors-prefetch": ("safetensors", None),
-    "runai_streamer": ("runai_streamer", None),
-    "runai_streamer-distributed": ("runai_streamer", {"distributed": True}),
-    "safetensors+download": ("safetensors", None),
-    "zerofill (floor)": ("zerofill", None),
-    "memcopy (copy floor)": ("memcopy", None),
-    "fastsafetensors": ("fastsafetensors", None),
-    "instanttensor": ("instanttensor", None),
-    # --model org/name: the same loaders given the Hub id (the rows without the suffix get its
-    # cached snapshot as a directory).
-    "fastload-hub-id": ("fastload", None),
-    "safetensors-hub-id": ("safetensors", None),
-}
-#: Loaders that are given the Hub id rather than a directory.
-HUB_ID_LOADERS = {"fastload-hub-id", "safetensors-hub-id"}
-#: Loaders that differ in ``LLM(...)`` arguments rather than in their extra config.
-LLM_KWARGS: dict[str, dict] = {"safetensors-prefetch": {"safetensors_load_strategy": "prefetch"}}
-#: The loaders a source measures unless ``--loaders`` says otherwise.
+#: The loaders a source measures unless ``--loaders`` says otherwise (``bench.loaders`` says what each is).
 SOURCE_LOADERS: dict[str, list[str]] = {
-    "local": ["fastload", "fastload-buffered", "safetensors", "safetensors-mt", "runai_streamer", "zerofill (floor)",
-              "memcopy (copy floor)", "fastsafetensors", "instanttensor"],
+    "local": ["fastload", "fastload-buffered", "safetensors", "safetensors-mt", "runai_streamer", "zerofill",
+              "memcopy", "fastsafetensors", "instanttensor"],
     "sshfs": ["fastload", "safetensors", "safetensors-prefetch"],
-    # safetensors+download: the default loader on a local copy, downloaded right before the start
-    # (its time is added to load_weights).
     "s3": ["fastload", "runai_streamer", "runai_streamer-distributed", "safetensors+download"],
     "hub": ["fastload", "fastload-hub-id", "safetensors", "safetensors-hub-id"],
 }
 #: Default page-cache states per source: a network filesystem is measured cold (its server's
 #: and the client's page cache evicted): a warm client cache would not be a network read.
 SOURCE_CACHE = {"local": "warm,cold", "sshfs": "cold", "s3": "cold", "hub": "warm,cold"}
-#: Reference loaders that read no file (see the module docstring).
-REFERENCES = {"zerofill (floor)", "memcopy (copy floor)"}
-#: runai_streamer-distributed: vLLM 0.32 reads ``distributed`` only on CUDA/ROCm (each rank
-#: fetches part of every file and broadcasts it over the device interconnect).
-CUDA_ONLY = {"fastsafetensors", "instanttensor", "runai_streamer-distributed"}
-NEEDS = {"runai_streamer": "runai_model_streamer", "runai_streamer-distributed": "runai_model_streamer",
-         "fastsafetensors": "fastsafetensors", "instanttensor": "instanttensor", "safetensors+download": "obstore"}
 
 
-def available_loaders() -> tuple[list[str], dict[str, str]]:
-    import torch
-
-    names, skipped = [], {}
-    for name in LOADERS:
-        if name in CUDA_ONLY and not torch.cuda.is_available():
-            skipped[name] = "needs CUDA"
-        elif name in NEEDS and importlib.util.find_spec(NEEDS[name]) is None:
-            skipped[name] = f"package {NEEDS[name]} not installed"
-        else:
-            names.append(name)
-    return names, skipped
-
-
-def warm_up(paths: list[str]) -> None:
-    """Read the files once so they are in the page cache (a cold row may have evicted them)."""
-    for p in paths:
-        with open(p, "rb") as f:
-            while f.read(64 << 20):
-                pass
+def start_command(model: str, name: str, tp: int, kwargs: Mapping[str, Any] | None = None) -> list[str]:
+    """``start_vllm``'s command line for loader ``name``: its load format, extra config and
+    ``LLM(...)`` arguments (``kwargs`` added)."""
+    loader = LOADERS[name]
+    assert loader.vllm_format is not None, f"{name} is no vLLM loader"
+    return [sys.executable, "-m", "vllm_fastload.bench.start_vllm", model, loader.vllm_format, str(tp),
+            json.dumps(dict(loader.config)) if loader.config else "",
+            json.dumps({**loader.vllm_args, **(kwargs or {})})]
 
 
 def run_once(model: str, loader: str, tp: int, work: Path, cache: str = "", env_extra: dict | None = None) -> dict:
-    load_format, extra = LOADERS[loader]
     probe_dir = Path(tempfile.mkdtemp(dir=work))
-    cmd = [sys.executable, "-m", "vllm_fastload.bench.start_vllm", model, load_format, str(tp),
-           json.dumps(extra) if extra else "", json.dumps(LLM_KWARGS.get(loader, {}))]
-    env = vllm_env(tp, FASTLOAD_DEV_BENCH_DIR=str(probe_dir), FASTLOAD_PROGRESS="false", FASTLOAD_DEV_BENCH_CACHE=cache,
-                   **(env_extra or {}))
-    # The timers (worker_hooks) are installed by this folder's sitecustomize in every vLLM process.
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent / "site"), env.get("PYTHONPATH", "")])
+    env = timed_env(vllm_env(tp, FASTLOAD_PROGRESS="false", FASTLOAD_DEV_BENCH_CACHE=cache, **(env_extra or {})),
+                    probe_dir)
     log = probe_dir / "vllm.log"
     started = time.time()
     try:
         with log.open("wb") as f:
-            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=900)
+            proc = subprocess.run(start_command(model, loader, tp), stdout=f, stderr=subprocess.STDOUT, env=env,
+                                  timeout=900)
     finally:
         remove_logged_cpu_shm(log)
-    ranks = [json.loads(p.read_text()) for p in sorted(probe_dir.glob("rank*.json"))]
-    models = {r["rank"]: r for r in (json.loads(p.read_text()) for p in probe_dir.glob("model*.json"))}
-    ready = probe_dir / "ready.json"
-    if proc.returncode != 0 or len(ranks) != tp or not ready.exists():
-        cause = root_cause(log.read_text(errors="replace"))
-        return {"error": f"exit {proc.returncode}, {len(ranks)} rank records: {cause} (log: {log})"}
-    for r in ranks:
+    return records(probe_dir, started, tp, proc.returncode, [log])
+
+
+def records(probe: Path, started: float, ranks: int, returncode: int, logs: list[Path]) -> dict:
+    """What the timers (``worker_hooks``) recorded in ``probe`` of a start begun at ``started``: each
+    rank's record, its ``load_model`` merged in, and the time to ready; or, where the start failed
+    or fewer than ``ranks`` ranks recorded a load, an error naming the root cause in its ``logs``."""
+    found = sorted((json.loads(p.read_text()) for p in sorted(probe.glob("rank*.json"))), key=lambda r: r["rank"])
+    models = {r["rank"]: r for r in (json.loads(p.read_text()) for p in probe.glob("model*.json"))}
+    ready = probe / "ready.json"
+    if returncode != 0 or len(found) != ranks or not ready.exists():
+        cause = root_cause("".join(log.read_text(errors="replace") for log in logs))
+        return {"error": f"exit {returncode}, {len(found)} rank records: {cause} "
+                         f"(log{'s' if len(logs) > 1 else ''}: {', '.join(map(str, logs))})"}
+    for r in found:
         r.update({k: v for k, v in models.get(r["rank"], {}).items() if k != "rank"})
-    return {"ranks": ranks, "ready_s": json.loads(ready.read_text())["ready_at"] - started}
+    return {"ranks": found, "ready_s": json.loads(ready.read_text())["ready_at"] - started}
 
 
 def _start_s3(model: str, env: dict[str, str], *, name: str, tp: int, work: Path, cache: str) -> dict:
     return run_once(model, name, tp, work, cache, env)
-
-
-#: An exception line as Python prints it, behind vLLM's "(Worker pid=N)" style prefix if any.
-_ERROR_LINE = re.compile(r"^(?:\([^)]*\)\s*)?(?:[A-Za-z_][\w.]*\.)?([A-Z]\w*(?:Error|Exception|Exit)): (.+)$")
-#: What vLLM's engine raises once a worker has died: a consequence, never the cause.
-_CONSEQUENCES = ("EngineDeadError", "EngineCoreError", "EOFError", "BrokenPipeError")
-
-
-def root_cause(log: str) -> str:
-    """The first exception line in a start-up log, e.g. a worker's ``ConfigError``: vLLM prints the
-    real failure first and then pages of tracebacks of the processes that noticed it."""
-    fallback = None
-    for line in log.splitlines():
-        match = _ERROR_LINE.match(line.strip())
-        if not match:
-            continue
-        found = f"{match.group(1)}: {match.group(2).strip()}"
-        if match.group(1) in _CONSEQUENCES or "died unexpectedly" in line or "initialization failed" in line:
-            fallback = fallback or found
-            continue
-        return found
-    if fallback:
-        return fallback
-    tail = [line for line in log.splitlines() if line.strip()][-3:]
-    return "no exception line in the log; it ends with: " + " | ".join(tail)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -240,33 +163,70 @@ def bench_checkpoint(model: str | None) -> str:
 
 
 def select_loaders(source: str, loaders: str | None) -> tuple[list[str], dict[str, str]]:
-    """The loaders to measure: ``--loaders`` if given, else the source's defaults, of those that run here."""
-    names, skipped = available_loaders()
+    """The loaders to measure, in the table's order: ``--loaders`` if given, else the source's
+    defaults, of those that run here; and why each other one asked for does not."""
+    import torch
+
     wanted = loaders.split(",") if loaders else SOURCE_LOADERS[source]
-    if wanted is not None:
-        unknown = [w for w in wanted if w not in LOADERS and w not in {n.split(" ")[0] for n in LOADERS}]
-        if unknown:
-            raise SystemExit(f"unknown loader(s) {', '.join(unknown)}; known: {', '.join(LOADERS)}")
-        names = [n for n in names if n in wanted or n.split(" ")[0] in wanted]
-    if source != "s3" and "safetensors+download" in names:
-        raise SystemExit("safetensors+download needs --source s3 (it downloads the checkpoint from the store)")
-    if source != "hub" and HUB_ID_LOADERS & set(names):
-        raise SystemExit(f"{', '.join(sorted(HUB_ID_LOADERS & set(names)))}: need --model org/name (a Hub id)")
+    check_known(wanted, "vllm")
+    cuda = torch.cuda.is_available()
+    names, skipped = [], {}
+    for name in (n for n in runs_on("vllm") if n in wanted):
+        why = why_not(LOADERS[name], cuda)
+        if why is None:
+            names.append(name)
+        else:
+            skipped[name] = why
+    downloads = [n for n in names if LOADERS[n].download]
+    if source != "s3" and downloads:
+        raise SystemExit(f"{', '.join(downloads)} needs --source s3 (it downloads the checkpoint from the store)")
+    hub_ids = sorted(n for n in names if LOADERS[n].hub_id)
+    if source != "hub" and hub_ids:
+        raise SystemExit(f"{', '.join(hub_ids)}: need --model org/name (a Hub id)")
     return names, skipped
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where the loaders read the checkpoint from, and what a cold start evicts."""
+
+    name: str
+    #: What the loaders are given: a directory, an sshfs mount, an object URI, a Hub id's snapshot.
+    model: str
+    #: The checkpoint's files as the loaders see them (none for an object store).
+    files: tuple[str, ...]
+    #: The files behind a network mount or an object store: evicted too before a cold start (the
+    #: server's page cache is the network filesystem's disk).
+    server_files: tuple[str, ...]
+    total: int
+    #: A ``bench.s3bench.S3Bench`` when ``model`` is an object URI.
+    s3: Any = None
+    #: A ``bench.hubbench.HubCheckpoint`` when ``model`` is a Hub id's snapshot (the ``-hub-id``
+    #: loaders are given the id).
+    hub: Any = None
+
+    def start(self, name: str, tp: int, work: Path, cache: str) -> dict:
+        """One vLLM start of loader ``name``."""
+        if self.hub is not None:
+            return run_once(self.hub.repo_id if LOADERS[name].hub_id else self.model, name, tp, work, cache,
+                            self.hub.env)
+        if self.s3 is not None:
+            return self.s3.run(name, tp, functools.partial(_start_s3, name=name, tp=tp, work=work, cache=cache))
+        return run_once(self.model, name, tp, work, cache)
+
+    def sample_limit(self, state: MachineState) -> float:
+        """What the storage serves cold: the object store's limit, or the disk's (the mount's) read rate."""
+        if self.server_files:
+            evict(self.server_files)
+        return self.s3.sample_limit() if self.s3 is not None else state.sample_disk(self.files)
 
 
 def run_bench(args: argparse.Namespace, model: str, source: str, wanted_targets: dict[str, float],
               server_files: list[str] | None = None, s3=None, hub=None) -> int:
-    """Measure every loader on ``model``; ``server_files``: the files behind a network mount,
-    evicted too before every cold start (the server's page cache is the network FS's disk);
-    ``s3``: a ``bench.s3bench.S3Bench`` when ``model`` is an object URI; ``hub``: a
-    ``bench.hubbench.HubCheckpoint`` when ``model`` is a Hub id's snapshot (the ``-hub-id``
-    loaders are given the id)."""
-    if s3 is not None:
-        files, server_files, total = [], s3.server_files(), s3.checkpoint_bytes
-    else:
-        files = sorted(str(p) for p in Path(model).glob("*.safetensors"))
-        total = sum(Path(f).stat().st_size for f in files)
+    """Measure every loader on ``model`` (see ``Source`` for ``server_files``, ``s3`` and ``hub``)."""
+    files = () if s3 is not None else tuple(sorted(str(p) for p in Path(model).glob("*.safetensors")))
+    where = Source(source, model, files, tuple(s3.server_files() if s3 is not None else server_files or ()),
+                   s3.checkpoint_bytes if s3 is not None else sum(Path(f).stat().st_size for f in files), s3, hub)
     names, skipped = select_loaders(source, args.loaders)
     tps = [int(t) for t in args.tp.split(",")]
     caches = (args.cache or SOURCE_CACHE[source]).split(",")
@@ -275,29 +235,38 @@ def run_bench(args: argparse.Namespace, model: str, source: str, wanted_targets:
     from vllm_fastload.machine import filesystem_type
 
     fstype = filesystem_type(files[0]) if files else "s3rver" if s3 is not None else ""
-    print(f"checkpoint {model} ({fstype or 'unknown filesystem'}): {total / 1e9:.2f} GB; loaders {names}; "
+    print(f"checkpoint {model} ({fstype or 'unknown filesystem'}): {where.total / 1e9:.2f} GB; loaders {names}; "
           f"skipped {skipped}")
     state = MachineState()
-    if server_files:
-        evict(server_files)
+    limit = where.sample_limit(state)
     if s3 is not None:
-        print(f"  object store: {s3.sample_limit():.2f} GB/s, parallel ranged GETs of every object into memory",
-              flush=True)
+        print(f"  object store: {limit:.2f} GB/s, parallel ranged GETs of every object into memory", flush=True)
     else:
-        what = "network filesystem, 4 threads" if server_files else "disk"
-        print(f"  {what}: {state.sample_disk(files):.2f} GB/s cold sequential read", flush=True)
+        what = "network filesystem, 4 threads" if where.server_files else "disk"
+        print(f"  {what}: {limit:.2f} GB/s cold sequential read", flush=True)
     if args.release_memory:
         speed = release_memory(args.release_memory)
         print(f"  touched and released {args.release_memory:g} GiB of memory at {speed:.2f} GB/s, "
               "waited for it to go back to the host", flush=True)
     work = Path(args.out) / "vllm-runs"
     work.mkdir(parents=True, exist_ok=True)
-    deadline = time.monotonic() + args.time_limit
+    results, stopped_early = _repetitions(where, names, tps, caches, args.repeats, work, state,
+                                          time.monotonic() + args.time_limit)
+    where.sample_limit(state)
+    verdicts = _report_run(where, results, state, wanted_targets, Path(args.out),
+                           {"filesystem": fstype, "skipped": skipped, "stopped_early": stopped_early})
+    return 0 if all_met(verdicts) else 1
+
+
+def _repetitions(where: Source, names: list[str], tps: list[int], caches: list[str], repeats: int, work: Path,
+                 state: MachineState, deadline: float) -> tuple[dict[str, list[dict]], bool]:
+    """Every (TP, cache): ``repeats`` interleaved repetitions of every loader, until ``deadline``;
+    the starts' results by ``tpN|cache|loader``, and whether the deadline cut them short."""
     results: dict[str, list[dict]] = {}
     stopped_early = False
     for tp in tps:
         for cache in caches:
-            for rep in range(args.repeats):
+            for rep in range(repeats):
                 print(f"  tp={tp} {cache} rep {rep + 1}: first touch {state.sample_memory():.2f} GB/s", flush=True)
                 # Each repetition starts with the next loader: a VM's memory gets faster to touch
                 # within a run of starts, and no loader should always go first.
@@ -309,57 +278,52 @@ def run_bench(args: argparse.Namespace, model: str, source: str, wanted_targets:
                     # start follows the eviction of the checkpoint, whose pages a VM may hand
                     # back to its host (slow to touch again) or the guest may reuse (fast).
                     if cache == "cold":
-                        evict(files + (server_files or []))
+                        evict(where.files + where.server_files)
                     else:
-                        warm_up(files)
-                    if hub is not None:
-                        res = run_once(hub.repo_id if name in HUB_ID_LOADERS else model, name, tp, work, cache,
-                                       hub.env)
-                    elif s3 is None:
-                        res = run_once(model, name, tp, work, cache)
-                    else:
-                        res = s3.run(name, tp, functools.partial(_start_s3, name=name, tp=tp, work=work, cache=cache))
+                        warm(where.files)  # a cold row may have evicted them
+                    res = where.start(name, tp, work, cache)
                     results.setdefault(f"tp{tp}|{cache}|{name}", []).append(res)
-                    if "error" in res:
-                        print(f"  tp={tp} {cache} rep {rep + 1} {name}: FAILED {res['error']}", flush=True)
-                    else:
-                        secs = [r["seconds"] for r in res["ranks"]]
-                        served = res.get("served_per_rank")
-                        print(f"  tp={tp} {cache:<4} rep {rep + 1} {name:<20} load_weights per rank "
-                              f"{', '.join(f'{s:.2f}' for s in secs)} s"
-                              + (f" (incl. download {res['download_seconds']:.2f} s)" if "download_seconds" in res
-                                 else "")
-                              + (f"; served per rank {', '.join(f'{b / 1e9:.3f}' for b in served)} GB"
-                                 if served else ""), flush=True)
-    if server_files:
-        evict(server_files)
-    if s3 is not None:
-        s3.sample_limit()
-    else:
-        state.sample_disk(files)
-    rows = summarize(results, total)
+                    _print_start(f"  tp={tp} {cache:<4} rep {rep + 1}", name, res)
+    return results, stopped_early
+
+
+def _print_start(head: str, name: str, res: dict) -> None:
+    if "error" in res:
+        print(f"{head} {name}: FAILED {res['error']}", flush=True)
+        return
+    secs = ", ".join(f"{r['seconds']:.2f}" for r in res["ranks"])
+    served = res.get("served_per_rank")
+    print(f"{head} {name:<20} load_weights per rank {secs} s"
+          + (f" (incl. download {res['download_seconds']:.2f} s)" if "download_seconds" in res else "")
+          + (f"; served per rank {', '.join(f'{b / 1e9:.3f}' for b in served)} GB" if served else ""), flush=True)
+
+
+def _report_run(where: Source, results: dict[str, list[dict]], state: MachineState, wanted: dict[str, float],
+                out: Path, facts: dict) -> list[dict]:
+    """Print the tables and verdicts, write the JSON document and the chart; the verdicts."""
+    rows = summarize(results, where.total)
     print()
     print(state.summary())
-    if s3 is not None:
-        print(s3.summary())
+    if where.s3 is not None:
+        print(where.s3.summary())
         for row in rows:
-            row["server_limit_gbps"] = statistics.median(s3.limits)
+            row["server_limit_gbps"] = statistics.median(where.s3.limits)
     print_table(rows)
     bounds = {"disk_gbps": statistics.median(state.disk) if state.disk else None,
-              "page_share_tp2": page_rounded_share(model, 2) if source == "local" else None}
-    verdicts = check_targets(rows, wanted_targets, bounds)
+              "page_share_tp2": page_rounded_share(where.model, 2) if where.name == "local" else None}
+    verdicts = check_targets(rows, wanted, bounds)
     print_verdicts(verdicts)
-    out = Path(args.out)
-    stem = "bench-vllm" if source == "local" else f"bench-vllm-{source}"
-    (out / f"{stem}.json").write_text(json.dumps({"source": source, "filesystem": fstype, "checkpoint_bytes": total,
-                                                  "server_limit_gbps": s3.limits if s3 is not None else None,
-                                                  "rows": rows, "raw": results, "machine": state.as_dict(),
-                                                  "targets": verdicts, "bounds": bounds, "skipped": skipped,
-                                                  "stopped_early": stopped_early}, indent=2))
-    chart(rows, out / f"{stem}.png", title=f"vLLM load_weights by loader, checkpoint on {fstype or source}")
+    stem = "bench-vllm" if where.name == "local" else f"bench-vllm-{where.name}"
+    (out / f"{stem}.json").write_text(json.dumps({
+        "source": where.name, "filesystem": facts["filesystem"], "checkpoint_bytes": where.total,
+        "server_limit_gbps": where.s3.limits if where.s3 is not None else None, "rows": rows, "raw": results,
+        "machine": state.as_dict(), "targets": verdicts, "bounds": bounds, "skipped": facts["skipped"],
+        "stopped_early": facts["stopped_early"]}, indent=2))
+    chart(rows, out / f"{stem}.png",
+          title=f"vLLM load_weights by loader, checkpoint on {facts['filesystem'] or where.name}")
     print(f"wrote {out / f'{stem}.json'} and {out / f'{stem}.png'}"
-          + (" (time limit reached: some runs skipped)" if stopped_early else ""))
-    return 1 if any(not v["ok"] for v in verdicts) else 0
+          + (" (time limit reached: some runs skipped)" if facts["stopped_early"] else ""))
+    return verdicts
 
 
 def report(path: Path, targets: str | None) -> int:
@@ -368,6 +332,8 @@ def report(path: Path, targets: str | None) -> int:
     try:
         saved = json.loads(path.read_text())
         rows, source = saved["rows"], saved["source"]
+        for row in rows:  # a saved run may name a loader otherwise
+            row["loader"] = RENAMED.get(row["loader"], row["loader"])
         bounds = saved.get("bounds")
         if bounds is None:  # a run saved before its bounds were: the disk speed it measured
             disk = (saved.get("machine") or {}).get("disk_read_gbps") or []
@@ -379,7 +345,7 @@ def report(path: Path, targets: str | None) -> int:
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise SystemExit(f"--report {path}: not a JSON file written by vllm-fastload bench ({exc!r})") from None
     print_verdicts(verdicts)
-    return 1 if any(not v["ok"] for v in verdicts) else 0
+    return 0 if all_met(verdicts) else 1
 
 
 def summarize(results: dict[str, list[dict]], total: int) -> list[dict]:
@@ -390,40 +356,49 @@ def summarize(results: dict[str, list[dict]], total: int) -> list[dict]:
         if not ok:
             rows.append({"tp": tp, "cache": cache, "loader": name, "error": runs[0]["error"][:300]})
             continue
-        per_rank_max = [max(r["seconds"] for r in run["ranks"]) for run in ok]
-        rows.append({
-            "tp": tp, "cache": cache, "loader": name, "runs": len(ok), "failed_runs": len(runs) - len(ok),
-            "seconds_median": statistics.median(per_rank_max), "seconds_min": min(per_rank_max),
+        rows.append({"tp": tp, "cache": cache, "loader": name, "runs": len(ok), "failed_runs": len(runs) - len(ok),
+                     **_times(ok), **_per_rank(ok), "checkpoint_bytes": total})
+    for row in rows:
+        if "error" not in row:
+            _compare(row, _row(rows, row["tp"], row["cache"], "safetensors"), _row(rows, row["tp"], "warm", FLOOR))
+    return rows
+
+
+def _times(ok: list[dict]) -> dict:
+    """load_weights of the slowest rank; what users wait for: load_model (slowest rank), of it vLLM's
+    post-processing, and the process start to the engine constructed."""
+    per_rank_max = [max(r["seconds"] for r in run["ranks"]) for run in ok]
+    return {"seconds_median": statistics.median(per_rank_max), "seconds_min": min(per_rank_max),
             "seconds_max": max(per_rank_max),
-            # What users wait for: load_model (slowest rank), of it vLLM's post-processing, and the
-            # process start to the engine constructed.
             **_medians("load_model_s", [max(r.get("load_model_s", 0.0) for r in run["ranks"]) for run in ok]),
             **_medians("post_s", [max(r.get("post_s", 0.0) for r in run["ranks"]) for run in ok]),
-            **_medians("ready_s", [run["ready_s"] for run in ok if "ready_s" in run]),
-            "rchar_per_rank": max(r["rchar"] for run in ok for r in run["ranks"]),
-            "disk_read_per_rank": max(r["read_bytes"] for run in ok for r in run["ranks"]),
-            "peak_rss_mb": max(r["hwm_after_kb"] for run in ok for r in run["ranks"]) / 1024,
-            "checkpoint_bytes": total,
-        })
-        phases = [r["phases"] for run in ok for r in run["ranks"] if r.get("phases")]
-        if phases:  # fastload's split of load_weights, median over runs and ranks, per phase
-            rows[-1]["phases_median"] = {k: statistics.median(p.get(k, 0.0) for p in phases) for k in phases[0]}
-        cached = [r["cached"] for run in ok for r in run["ranks"] if r.get("cached") is not None]
-        if cached:  # the share of the checkpoint in the page cache as a rank's load began
-            rows[-1]["cached_min"] = min(cached)
-        served = [b for run in ok for b in run.get("served_per_rank", [])]
-        if served:
-            rows[-1]["served_per_rank"] = max(served)
-    for row in rows:
-        base = _row(rows, row["tp"], row["cache"], "safetensors")
-        floor = _row(rows, row["tp"], "warm", FLOOR)
-        if "error" not in row:
-            row["vs_safetensors"] = row["seconds_median"] / base["seconds_median"] if base else None
-            row["vs_floor"] = row["seconds_median"] / floor["seconds_median"] if floor else None
-            for stem in ("load_model", "ready"):
-                if base and f"{stem}_median" in row and base.get(f"{stem}_median"):
-                    row[f"{stem}_vs_safetensors"] = row[f"{stem}_median"] / base[f"{stem}_median"]
-    return rows
+            **_medians("ready_s", [run["ready_s"] for run in ok if "ready_s" in run])}
+
+
+def _per_rank(ok: list[dict]) -> dict:
+    """The bytes and memory of the busiest rank; fastload's phases and what it found cached."""
+    ranks = [r for run in ok for r in run["ranks"]]
+    out = {"rchar_per_rank": max(r["rchar"] for r in ranks), "disk_read_per_rank": max(r["read_bytes"] for r in ranks),
+           "peak_rss_mb": max(r["hwm_after_kb"] for r in ranks) / 1024}
+    phases = [r["phases"] for r in ranks if r.get("phases")]
+    if phases:  # fastload's split of load_weights, median over runs and ranks, per phase
+        out["phases_median"] = {k: statistics.median(p.get(k, 0.0) for p in phases) for k in phases[0]}
+    cached = [r["cached"] for r in ranks if r.get("cached") is not None]
+    if cached:  # the share of the checkpoint in the page cache as a rank's load began
+        out["cached_min"] = min(cached)
+    served = [b for run in ok for b in run.get("served_per_rank", [])]
+    if served:
+        out["served_per_rank"] = max(served)
+    return out
+
+
+def _compare(row: dict, base: dict | None, floor: dict | None) -> None:
+    """Add the row's ratios to the default loader's row and to the floor."""
+    row["vs_safetensors"] = row["seconds_median"] / base["seconds_median"] if base else None
+    row["vs_floor"] = row["seconds_median"] / floor["seconds_median"] if floor else None
+    for stem in ("load_model", "ready"):
+        if base and f"{stem}_median" in row and base.get(f"{stem}_median"):
+            row[f"{stem}_vs_safetensors"] = row[f"{stem}_median"] / base[f"{stem}_median"]
 
 
 def _medians(key: str, values: list[float]) -> dict[str, float]:
@@ -507,70 +482,47 @@ def print_phase_table(rows: list[dict]) -> None:
 
 
 # -- targets -------------------------------------------------------------------------------
-FLOOR = "zerofill (floor)"
-#: name -> (default limit, what it checks). Ratios of medians unless said otherwise.
-TARGETS: dict[str, tuple[float, str]] = {
-    "cold-tp1": (0.75, "TP=1 cold: fastload / default loader"),
-    "cold-tp2": (0.60, "TP=2 cold: fastload / default loader"),
-    "warm-floor": (1.10, "TP=1 warm: fastload / zero-fill floor (at TP=2: weights-warm-tp2)"),
-    "warm-default": (0.0, "warm, every TP: fastload median - default median, at most the larger spread (max-min) "
-                          "of the two rows plus this many seconds"),
-    "disk-tp2": (0.56, "TP=2: disk bytes per rank / checkpoint bytes, every cache state"),
-    "netfs-default": (0.70, "network filesystem (--source sshfs), every TP, cold: fastload / default loader"),
-    "s3-bytes-tp2": (0.60, "object store, TP=2: bytes served per rank (server side) / checkpoint"),
-    "s3-runai-tp2": (0.60, "object store, TP=2: fastload / runai_streamer"),
-    "s3-runai-tp1": (1.00, "object store, TP=1: fastload / runai_streamer"),
-    "s3-limit-tp1": (1.25, "object store, TP=1: fastload seconds / the seconds the server's own limit allows "
-                           "(1.25: at least 80% of the limit)"),
-    "netfs-prefetch": (1.00, "network filesystem (--source sshfs), every TP, cold: fastload / the default "
-                             "loader's prefetch strategy"),
+FLOOR = "zerofill"
+#: Ratios of medians unless said otherwise.
+TARGETS = by_name(
+    Target("cold-tp1", 0.75, "TP=1 cold: fastload / default loader"),
+    Target("cold-tp2", 0.60, "TP=2 cold: fastload / default loader"),
+    Target("warm-floor", 1.10, "TP=1 warm: fastload / zero-fill floor (at TP=2: weights-warm-tp2)"),
+    Target("warm-default", 0.0, "warm, every TP: fastload median - default median, at most the larger spread "
+                                "(max-min) of the two rows plus this many seconds"),
+    Target("disk-tp2", 0.56, "TP=2: disk bytes per rank / checkpoint bytes, every cache state"),
+    Target("netfs-default", 0.70, "network filesystem (--source sshfs), every TP, cold: fastload / default loader"),
+    Target("s3-bytes-tp2", 0.60, "object store, TP=2: bytes served per rank (server side) / checkpoint"),
+    Target("s3-runai-tp2", 0.60, "object store, TP=2: fastload / runai_streamer"),
+    Target("s3-runai-tp1", 1.00, "object store, TP=1: fastload / runai_streamer"),
+    Target("s3-limit-tp1", 1.25, "object store, TP=1: fastload seconds / the seconds the server's own limit "
+                                 "allows (1.25: at least 80% of the limit)"),
+    Target("netfs-prefetch", 1.00, "network filesystem (--source sshfs), every TP, cold: fastload / the default "
+                                   "loader's prefetch strategy"),
     # What users wait for: vLLM's load_model and the time to ready, not load_weights alone.
-    "model-cold-warm": (1.15, "every TP: fastload's cold load_model / its own warm load_model"),
-    "model-cold-tp1": (0.65, "TP=1 cold: fastload / default loader, load_model"),
-    "model-cold-tp2": (0.70, "TP=2 cold: fastload / default loader, load_model"),
-    "model-warm": (1.00, "warm, every TP: fastload / default loader, load_model"),
-    "ready-cold": (1.00, "cold, every TP: fastload / default loader, process start to engine ready"),
-    "weights-warm-tp2": (1.00, "TP=2 warm: fastload / default loader, load_weights (at TP=2 the copy out of the "
-                               "page cache on the rank's core is the floor, not the zero-fill)"),
-    "hub-cold": (1.10, "--model org/name, cold, every TP: fastload given the Hub id / fastload given its cached "
-                       "snapshot as a directory, load_model"),
-}
-
-
+    Target("model-cold-warm", 1.15, "every TP: fastload's cold load_model / its own warm load_model"),
+    Target("model-cold-tp1", 0.65, "TP=1 cold: fastload / default loader, load_model"),
+    Target("model-cold-tp2", 0.70, "TP=2 cold: fastload / default loader, load_model"),
+    Target("model-warm", 1.00, "warm, every TP: fastload / default loader, load_model"),
+    Target("ready-cold", 1.00, "cold, every TP: fastload / default loader, process start to engine ready"),
+    Target("weights-warm-tp2", 1.00, "TP=2 warm: fastload / default loader, load_weights (at TP=2 the copy out "
+                                     "of the page cache on the rank's core is the floor, not the zero-fill)"),
+    Target("hub-cold", 1.10, "--model org/name, cold, every TP: fastload given the Hub id / fastload given its "
+                             "cached snapshot as a directory, load_model"),
+)
 #: Targets that ``--targets all`` means for each source (the others need rows it does not measure).
 SOURCE_TARGETS = {"local": ["cold-tp1", "cold-tp2", "warm-floor", "warm-default", "disk-tp2", "model-cold-warm",
                             "model-cold-tp1", "model-cold-tp2", "model-warm", "ready-cold", "weights-warm-tp2"],
                   "sshfs": ["netfs-default", "netfs-prefetch"],
                   "s3": ["s3-bytes-tp2", "s3-runai-tp2", "s3-runai-tp1", "s3-limit-tp1"],
                   "hub": ["hub-cold"]}
+_UNMEASURED = "rows not measured"
 
 
 def parse_targets(spec: str | None, source: str = "local") -> dict[str, float]:
     """``--targets all`` (this source's targets) or ``cold-tp1,disk-tp2=0.55``: names from TARGETS,
     optional own limits."""
-    return parse_target_spec(spec, {name: limit for name, (limit, _) in TARGETS.items()}, SOURCE_TARGETS[source])
-
-
-def parse_target_spec(spec: str | None, limits: dict[str, float], every: Iterable[str],
-                      where: str = "") -> dict[str, float]:
-    """``spec`` (``all``, or names from ``limits`` each with an optional ``=limit``) as each named
-    target's limit; ``all`` stands for ``every``. An unknown name or a limit that is no number
-    ends the command, ``where`` saying for which."""
-    if not spec:
-        return {}
-    out: dict[str, float] = {}
-    for item in spec.split(","):
-        name, _, value = item.strip().partition("=")
-        if name == "all":
-            out.update({n: limits[n] for n in every})
-            continue
-        if name not in limits:
-            raise SystemExit(f"unknown target {name!r}{where}; known: all, {', '.join(limits)}")
-        try:
-            out[name] = float(value) if value else limits[name]
-        except ValueError:
-            raise SystemExit(f"target {name}: {value!r} is not a number") from None
-    return out
+    return parse_spec(spec, TARGETS, SOURCE_TARGETS[source])
 
 
 def page_rounded_share(model: str, tp: int) -> float:
@@ -594,64 +546,63 @@ def check_targets(rows: list[dict], targets: dict[str, float],
 
     ``bounds`` (disk GB/s measured in the run, page-rounded share per rank) add the physical
     floor to the detail, so a target below it reads as such rather than as a loader to tune."""
-    verdicts = []
     known: dict[str, Any] = dict(bounds or {})
-
-    def verdict(name: str, tp: str, value: float | None, limit: float, detail: str) -> None:
-        ok = value is not None and value <= limit
-        verdicts.append({"target": name, "tp": tp, "value": value, "limit": limit, "ok": ok, "detail": detail})
-
-    for name, limit in targets.items():
-        if name in ("cold-tp1", "cold-tp2"):
-            tp = "tp" + name[-1]
-            fl, base = _row(rows, tp, "cold", "fastload"), _row(rows, tp, "cold", "safetensors")
-            value = fl["seconds_median"] / base["seconds_median"] if fl and base else None
-            detail = "fastload / default, cold" if value is not None else "rows not measured"
-            if fl and base and value is not None and known.get("disk_gbps"):
-                # Every byte of the checkpoint comes off the one disk once, whatever the ranks share.
-                floor = fl["checkpoint_bytes"] / 1e9 / known["disk_gbps"]
-                detail += (f"; the disk alone needs {floor:.2f} s for the checkpoint at "
-                           f"{known['disk_gbps']:.2f} GB/s = {floor / base['seconds_median']:.2f}x default")
-            verdict(name, tp, value, limit, detail)
-        elif name in ("netfs-default", "netfs-prefetch"):
-            other = "safetensors" if name == "netfs-default" else "safetensors-prefetch"
-            for tp in sorted({r["tp"] for r in rows if r["loader"] == "fastload"}) or ["tp?"]:
-                fl, base = _row(rows, tp, "cold", "fastload"), _row(rows, tp, "cold", other)
-                value = fl["seconds_median"] / base["seconds_median"] if fl and base else None
-                verdict(name, tp, value, limit, f"fastload / {other}, cold" if value is not None
-                        else "rows not measured")
-        elif name.startswith("s3-"):
-            _s3_verdict(rows, name, limit, verdict)
-        elif name.startswith(("model-", "ready-", "weights-", "hub-")):
-            _startup_verdict(rows, name, limit, verdict)
-        elif name == "disk-tp2":
-            fls = [r for r in rows if r["tp"] == "tp2" and r["loader"] == "fastload" and "error" not in r]
-            value = max(r["disk_read_per_rank"] / r["checkpoint_bytes"] for r in fls) if fls else None
-            detail = "disk bytes per rank / checkpoint" if fls else "rows not measured"
-            if fls and known.get("page_share_tp2"):
-                detail += f"; the rank's slices rounded out to whole pages: {known['page_share_tp2']:.3f}"
-            verdict(name, "tp2", value, limit, detail)
-        else:
-            tps = ["tp1"] if name == "warm-floor" else sorted({r["tp"] for r in rows if r["loader"] == "fastload"})
-            for tp in tps or ["tp?"]:
-                _warm_verdict(rows, name, tp, limit, verdict)
-    return verdicts
+    return [v for name, limit in targets.items() for v in _JUDGES[name](rows, name, limit, known)]
 
 
-def _s3_verdict(rows: list[dict], name: str, limit: float, verdict) -> None:
+def _fastload_tps(rows: list[dict]) -> list[str]:
+    """The TPs fastload was run at (a target judged at every TP), or a placeholder that reads as
+    not measured."""
+    return sorted({r["tp"] for r in rows if r["loader"] == "fastload"}) or ["tp?"]
+
+
+def _ratio(name: str, limit: float, tp: str, fl: dict | None, base: dict | None, detail: str,
+           key: str = "seconds_median") -> dict:
+    """``fl[key] / base[key]``, or not measured where a row is missing."""
+    if not (fl and base and fl.get(key) and base.get(key)):
+        return verdict(name, None, limit, _UNMEASURED, tp=tp)
+    return verdict(name, fl[key] / base[key], limit, detail, tp=tp)
+
+
+def _cold(rows: list[dict], name: str, limit: float, known: dict) -> list[dict]:
     tp = "tp" + name[-1]
-    fl = _row(rows, tp, "cold", "fastload")
-    if name == "s3-bytes-tp2":
-        value = fl["served_per_rank"] / fl["checkpoint_bytes"] if fl and "served_per_rank" in fl else None
-        verdict(name, tp, value, limit, "served per rank / checkpoint" if value is not None else "rows not measured")
-    elif name.startswith("s3-runai"):
-        base = _row(rows, tp, "cold", "runai_streamer")
-        value = fl["seconds_median"] / base["seconds_median"] if fl and base else None
-        verdict(name, tp, value, limit, "fastload / runai_streamer" if value is not None else "rows not measured")
-    else:  # s3-limit-tp1
-        gbps = fl.get("server_limit_gbps") if fl else None
-        value = fl["seconds_median"] / (fl["checkpoint_bytes"] / 1e9 / gbps) if fl and gbps else None
-        verdict(name, tp, value, limit, f"server limit {gbps:.3f} GB/s" if value is not None else "rows not measured")
+    fl, base = _row(rows, tp, "cold", "fastload"), _row(rows, tp, "cold", "safetensors")
+    detail = "fastload / default, cold"
+    if fl and base and known.get("disk_gbps"):
+        # Every byte of the checkpoint comes off the one disk once, whatever the ranks share.
+        floor = fl["checkpoint_bytes"] / 1e9 / known["disk_gbps"]
+        detail += (f"; the disk alone needs {floor:.2f} s for the checkpoint at "
+                   f"{known['disk_gbps']:.2f} GB/s = {floor / base['seconds_median']:.2f}x default")
+    return [_ratio(name, limit, tp, fl, base, detail)]
+
+
+def _netfs(rows: list[dict], name: str, limit: float, known: dict) -> list[dict]:
+    other = "safetensors" if name == "netfs-default" else "safetensors-prefetch"
+    return [_ratio(name, limit, tp, _row(rows, tp, "cold", "fastload"), _row(rows, tp, "cold", other),
+                   f"fastload / {other}, cold") for tp in _fastload_tps(rows)]
+
+
+def _s3_bytes(rows: list[dict], name: str, limit: float, known: dict) -> list[dict]:
+    fl = _row(rows, "tp2", "cold", "fastload")
+    if not (fl and "served_per_rank" in fl):
+        return [verdict(name, None, limit, _UNMEASURED, tp="tp2")]
+    return [verdict(name, fl["served_per_rank"] / fl["checkpoint_bytes"], limit, "served per rank / checkpoint",
+                    tp="tp2")]
+
+
+def _s3_runai(rows: list[dict], name: str, limit: float, known: dict) -> list[dict]:
+    tp = "tp" + name[-1]
+    return [_ratio(name, limit, tp, _row(rows, tp, "cold", "fastload"), _row(rows, tp, "cold", "runai_streamer"),
+                   "fastload / runai_streamer")]
+
+
+def _s3_limit(rows: list[dict], name: str, limit: float, known: dict) -> list[dict]:
+    fl = _row(rows, "tp1", "cold", "fastload")
+    gbps = fl.get("server_limit_gbps") if fl else None
+    if not (fl and gbps):
+        return [verdict(name, None, limit, _UNMEASURED, tp="tp1")]
+    return [verdict(name, fl["seconds_median"] / (fl["checkpoint_bytes"] / 1e9 / gbps), limit,
+                    f"server limit {gbps:.3f} GB/s", tp="tp1")]
 
 
 #: Start-up targets: name -> (metric, fastload's cache, the other row's cache, the other row's loader).
@@ -668,46 +619,61 @@ _STARTUP = {
 _STARTUP_LOADER = {"hub-cold": "fastload-hub-id"}
 
 
-def _startup_verdict(rows: list[dict], name: str, limit: float, verdict) -> None:
+def _startup(rows: list[dict], name: str, limit: float, known: dict) -> list[dict]:
     """A ratio of medians of fastload's row to another row of the same TP; for every TP measured
     unless the name ends in one."""
     metric, cache, other_cache, other = _STARTUP[name]
     named = re.search(r"-(tp\d+)$", name)
-    tps = [named.group(1)] if named else sorted({r["tp"] for r in rows if r["loader"] == "fastload"})
     loader = _STARTUP_LOADER.get(name, "fastload")
-    for tp in tps or ["tp?"]:
+    key = f"{metric}_median"
+    label = "load_weights" if metric == "seconds" else metric
+    out = []
+    for tp in [named.group(1)] if named else _fastload_tps(rows):
         fl, base = _row(rows, tp, cache, loader), _row(rows, tp, other_cache, other)
-        key = f"{metric}_median"
-        if not (fl and base and fl.get(key) and base.get(key)):
-            verdict(name, tp, None, limit, "rows not measured")
+        detail = (f"{label} {fl[key]:.2f} s ({cache} {loader}) / {base[key]:.2f} s ({other_cache} {other})"
+                  if fl and base and fl.get(key) and base.get(key) else "")
+        out.append(_ratio(name, limit, tp, fl, base, detail, key))
+    return out
+
+
+def _disk(rows: list[dict], name: str, limit: float, known: dict) -> list[dict]:
+    fls = [r for r in rows if r["tp"] == "tp2" and r["loader"] == "fastload" and "error" not in r]
+    if not fls:
+        return [verdict(name, None, limit, _UNMEASURED, tp="tp2")]
+    detail = "disk bytes per rank / checkpoint"
+    if known.get("page_share_tp2"):
+        detail += f"; the rank's slices rounded out to whole pages: {known['page_share_tp2']:.3f}"
+    return [verdict(name, max(r["disk_read_per_rank"] / r["checkpoint_bytes"] for r in fls), limit, detail,
+                    tp="tp2")]
+
+
+def _warm_floor(rows: list[dict], name: str, limit: float, known: dict) -> list[dict]:
+    return [_ratio(name, limit, "tp1", _row(rows, "tp1", "warm", "fastload"), _row(rows, "tp1", "warm", FLOOR),
+                   "fastload / floor, warm")]
+
+
+def _warm_default(rows: list[dict], name: str, limit: float, known: dict) -> list[dict]:
+    """Slower than the default loader by no more than the run's spread."""
+    out = []
+    for tp in _fastload_tps(rows):
+        fl, base = _row(rows, tp, "warm", "fastload"), _row(rows, tp, "warm", "safetensors")
+        if not (fl and base):
+            out.append(verdict(name, None, limit, _UNMEASURED, tp=tp))
             continue
-        label = "load_weights" if metric == "seconds" else metric
-        verdict(name, tp, fl[key] / base[key], limit,
-                f"{label} {fl[key]:.2f} s ({cache} {loader}) / {base[key]:.2f} s ({other_cache} {other})")
-
-
-def _warm_verdict(rows: list[dict], name: str, tp: str, limit: float, verdict) -> None:
-    fl, base = _row(rows, tp, "warm", "fastload"), _row(rows, tp, "warm", "safetensors")
-    if name == "warm-floor":
-        floor = _row(rows, tp, "warm", FLOOR)
-        value = fl["seconds_median"] / floor["seconds_median"] if fl and floor else None
-        verdict(name, tp, value, limit, "fastload / floor, warm" if value is not None else "rows not measured")
-    elif not (fl and base):
-        verdict(name, tp, None, limit, "rows not measured")
-    else:  # warm-default: slower than the default by no more than the run's spread
         spread = max(fl["seconds_max"] - fl["seconds_min"], base["seconds_max"] - base["seconds_min"])
-        verdict(name, tp, fl["seconds_median"] - base["seconds_median"] - spread, limit,
-                f"median {fl['seconds_median']:.2f} s vs {base['seconds_median']:.2f} s, spread {spread:.2f} s")
+        out.append(verdict(name, fl["seconds_median"] - base["seconds_median"] - spread, limit,
+                           f"median {fl['seconds_median']:.2f} s vs {base['seconds_median']:.2f} s, spread "
+                           f"{spread:.2f} s", tp=tp))
+    return out
 
 
-def print_verdicts(verdicts: list[dict]) -> None:
-    if not verdicts:
-        return
-    print("\ntargets:")
-    for v in verdicts:
-        shown = "not measured" if v["value"] is None else f"{v['value']:.3f}"
-        print(f"  [{'ok' if v['ok'] else 'MISSED'}] {v['target']} {v['tp']}: {shown} "
-              f"(limit {v['limit']:g}; {v['detail']})")
+#: How each target is judged.
+_JUDGES: Mapping[str, Callable[[list[dict], str, float, dict], list[dict]]] = {
+    "cold-tp1": _cold, "cold-tp2": _cold, "warm-floor": _warm_floor, "warm-default": _warm_default,
+    "disk-tp2": _disk, "netfs-default": _netfs, "netfs-prefetch": _netfs, "s3-bytes-tp2": _s3_bytes,
+    "s3-runai-tp2": _s3_runai, "s3-runai-tp1": _s3_runai, "s3-limit-tp1": _s3_limit,
+    **dict.fromkeys(_STARTUP, _startup),
+}
 
 
 def chart(rows: list[dict], path: Path, title: str = "vLLM load_weights by loader") -> None:
@@ -722,7 +688,7 @@ def chart(rows: list[dict], path: Path, title: str = "vLLM load_weights by loade
     ok = [r for r in rows if "error" not in r]
     labels = [f"{r['loader']}\nTP={r['tp'][2:]} {r['cache']}" for r in ok]
     fig, ax = plt.subplots(figsize=(max(6, len(ok) * 0.9), 4.5))
-    colors = ["tab:green" if r["loader"] == "fastload" else "tab:gray" if r["loader"] in REFERENCES
+    colors = ["tab:green" if r["loader"] == "fastload" else "tab:gray" if LOADERS[r["loader"]].reference
               else "tab:blue" for r in ok]
     ax.bar(range(len(ok)), [r["seconds_median"] for r in ok], color=colors)
     ax.set_xticks(range(len(ok)), labels, rotation=60, ha="right", fontsize=7)

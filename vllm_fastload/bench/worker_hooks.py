@@ -22,7 +22,19 @@ import os
 import time
 from pathlib import Path
 
+from vllm_fastload.bench.cache import warm
 from vllm_fastload.bench.core import status_kb
+
+#: A folder whose sitecustomize installs these timers in every process of a vLLM that has it on its
+#: PYTHONPATH: the loader itself never imports benchmark code.
+SITE = Path(__file__).parent / "site"
+
+
+def timed_env(env: dict[str, str], out_dir: str | os.PathLike) -> dict[str, str]:
+    """``env`` for a vLLM whose every process records its loads into ``out_dir``."""
+    return {**env, "FASTLOAD_DEV_BENCH_DIR": str(out_dir),
+            "PYTHONPATH": os.pathsep.join([str(SITE), env.get("PYTHONPATH", "")])}
+
 
 #: Numbers the loads of one process, so that a second load does not overwrite the first's record.
 _loads = itertools.count()
@@ -95,10 +107,7 @@ def _set_cache_state(cache: str | None, model_config, rank: int) -> None:
     """
     if cache != "warm" or rank != 0 or model_config is None:
         return
-    for path in sorted(str(p) for p in Path(model_config.model).glob("*.safetensors")):
-        with open(path, "rb") as f:
-            while f.read(64 << 20):
-                pass
+    warm(sorted(str(p) for p in Path(model_config.model).glob("*.safetensors")))
 
 
 def install(out_dir: str) -> None:

@@ -41,20 +41,12 @@ def _padded(nbytes: int) -> int:
 
 
 @dataclass(frozen=True)
-class ColumnSlice:
-    """What a rank keeps of a shared tensor: ``[start, start + length)`` along its sliced dim."""
+class Span:
+    """``[start, start + length)`` along one dim of a shared tensor: the columns a rank keeps (its
+    sliced dim), or the whole rows it reads for the group (dim 0)."""
 
     start: int
     length: int
-
-
-@dataclass(frozen=True)
-class RowBlock:
-    """What a rank reads of a shared tensor for the whole group: ``count`` whole rows (dim 0) from
-    ``start``."""
-
-    start: int
-    count: int
 
 
 @dataclass(frozen=True)
@@ -65,22 +57,22 @@ class SharedTensor:
     shape: tuple[int, ...]
     dim: int
     #: Per group rank: the columns it keeps.
-    columns: tuple[ColumnSlice, ...]
+    columns: tuple[Span, ...]
     #: Per group rank: the rows it reads for everyone.
-    rows: tuple[RowBlock, ...]
+    rows: tuple[Span, ...]
 
     def piece_shape(self, row_rank: int, column_rank: int) -> list[int]:
         """Shape of ``column_rank``'s slice inside ``row_rank``'s rows."""
         shape = list(self.shape)
-        shape[0] = self.rows[row_rank].count
+        shape[0] = self.rows[row_rank].length
         shape[self.dim] = self.columns[column_rank].length
         return shape
 
     def row_request(self, rank: int) -> TensorRequest:
         """What ``rank`` reads of it: its block of whole rows (under a key of its own)."""
         block = self.rows[rank]
-        return TensorRequest(self.name, dim=0, start=block.start, length=block.count,
-                             key=f"{self.name}[rows {block.start}:{block.start + block.count}]")
+        return TensorRequest(self.name, dim=0, start=block.start, length=block.length,
+                             key=f"{self.name}[rows {block.start}:{block.start + block.length}]")
 
 
 @dataclass(frozen=True)
@@ -162,9 +154,9 @@ class Collectives:
         dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=self.group)
 
 
-def _split_rows(count: int, world: int) -> tuple[RowBlock, ...]:
+def _split_rows(count: int, world: int) -> tuple[Span, ...]:
     bounds = [count * q // world for q in range(world + 1)]
-    return tuple(RowBlock(bounds[q], bounds[q + 1] - bounds[q]) for q in range(world))
+    return tuple(Span(bounds[q], bounds[q + 1] - bounds[q]) for q in range(world))
 
 
 def agree(collectives: Collectives, targets: Mapping[TensorRequest, torch.Tensor] | None,
@@ -193,7 +185,7 @@ def agree(collectives: Collectives, targets: Mapping[TensorRequest, torch.Tensor
         layout = everyone[0][name].layout
         if layout.shape[0] < world:
             continue  # fewer rows than ranks: some rank would read nothing; not worth a special case
-        columns = tuple(ColumnSlice(c[name].start, c[name].length) for c in everyone)
+        columns = tuple(Span(c[name].start, c[name].length) for c in everyone)
         shared[name] = SharedTensor(name, layout.shape, layout.dim, columns, _split_rows(layout.shape[0], world))
     if not shared or targets is None:
         return None
@@ -259,7 +251,7 @@ class RowExchange:
         for q, columns in enumerate(s.columns):
             piece = rows.narrow(s.dim, columns.start, columns.length)
             if q == self.rank:
-                self.dests[s.name].narrow(0, block.start, block.count).copy_(piece)
+                self.dests[s.name].narrow(0, block.start, block.length).copy_(piece)
             else:
                 nbytes = piece.numel() * piece.element_size()
                 owned = torch.empty(_padded(nbytes), dtype=torch.uint8)
@@ -343,7 +335,7 @@ class RowExchange:
                 block = s.rows[q]
                 nbytes = self._piece_bytes(name, q)
                 piece = recv[at:at + nbytes].view(dtype_of(self.infos[name])).view(s.piece_shape(q, self.rank))
-                self.dests[name].narrow(0, block.start, block.count).copy_(piece)
+                self.dests[name].narrow(0, block.start, block.length).copy_(piece)
                 at += _padded(nbytes)
         self._tensors += len(names)
         self._layers += 1

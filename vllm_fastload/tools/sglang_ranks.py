@@ -13,13 +13,8 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
-#: mode -> (SGLang load format, --model-loader-extra-config). The first mode is the reference.
-DEFAULT_MODES: dict[str, tuple[str, dict]] = {
-    "default": ("auto", {}),
-    "fastload": ("fastload", {"progress": False}),
-}
+from vllm_fastload.tools.verify import load_every_checkpoint
 
 
 def setup_rank(rank: int, tp: int, port: int) -> str:
@@ -103,7 +98,8 @@ def rank_main(rank: int, tp: int, port: int, out_dir: str, paths: list[str], mod
     to ``out_dir/rank{rank}.json`` after each checkpoint (a crash keeps what was done)."""
     device = setup_rank(rank, tp, port)
     try:
-        _load_all(rank, out_dir, paths, modes, dtype, device, more)
+        load_every_checkpoint(rank, out_dir, paths, modes, more,
+                              lambda path, load_format, extra: load_and_digest(path, load_format, extra, dtype, device))
     finally:
         teardown_rank()
 
@@ -118,22 +114,3 @@ def teardown_rank() -> None:
     destroy_model_parallel()
     destroy_distributed_environment()
     gc.collect()
-
-
-def _load_all(rank: int, out_dir: str, paths: list[str], modes: dict, dtype: str, device: str,
-              more: dict | None) -> None:
-    import json
-    import traceback
-
-    results: dict = {}
-    for path in paths:
-        entry: dict = {}
-        try:
-            for mode, (load_format, extra) in {**modes, **(more or {}).get(path, {})}.items():
-                entry[mode] = load_and_digest(path, load_format, extra, dtype, device)
-        except BaseException as exc:  # recorded per checkpoint; the others still run
-            entry["error"] = f"{type(exc).__name__}: {exc}"
-            entry["traceback"] = traceback.format_exc()
-        results[path] = entry
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
-

@@ -1,27 +1,23 @@
 """Start SGLang's HTTP server (``python -m sglang.launch_server``) in a subprocess, wait until it is
 ready, talk to it through ``/generate``, stop it with everything it started.
 
-For the SGLang tests and ``vllm-fastload bench --engine sglang``. Without CUDA it starts SGLang's
+For ``vllm-fastload bench --engine sglang`` and the SGLang tests. Without CUDA it starts SGLang's
 CPU engine (``SGLANG_USE_CPU_ENGINE=1``, ``--device cpu``) with the OpenMP threads of the ranks on
 disjoint CPUs (``SGLANG_CPU_OMP_THREADS_BIND``: SGLang otherwise wants a NUMA node per rank).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
-from typing import BinaryIO
 
-from vllm_fastload.tools.processes import session_processes, stop_session
-from vllm_fastload.tools.vllm_server import free_port
+from vllm_fastload.frozen import FrozenMap
+from vllm_fastload.tools.processes import stop_session
+from vllm_fastload.tools.servers import EngineServer
 
 #: Flags that make a tiny model start quickly on a CPU (prompts are token ids; a small KV cache,
 #: which SGLang otherwise sizes to most of the memory).
@@ -75,9 +71,9 @@ class StartLog:
     fastload's per-rank read shares, and the early reads."""
 
     #: rank -> SGLang's "Load weight end. elapsed" seconds.
-    load_s: dict[int, float]
+    load_s: Mapping[int, float]
     #: rank -> the share of the checkpoint fastload read on that rank (none for another loader).
-    read_share: dict[int, float]
+    read_share: Mapping[int, float]
     #: How many times early reads started (one per launch, or none).
     early_starts: int
     #: GB the early reads had read when the load began (all of it if they finished first); None
@@ -94,89 +90,26 @@ class StartLog:
         total = float(starts[0][1]) if starts else None
         stopped = EARLY_STOPPED.search(text)
         early = float(stopped.group(2)) if stopped else total if EARLY_DONE.search(text) else None
-        return cls(load_s, shares, len(starts), early, total)
+        return cls(FrozenMap(load_s), FrozenMap(shares), len(starts), early, total)
 
 
-class SglangServer:
-    """``with SglangServer(model, ["--load-format", "fastload"], log_path=...) as srv: srv.generate([[1, 2]])``.
+class SglangServer(EngineServer):
+    """``with SglangServer(model, ["--load-format", "fastload"], log_path=...) as srv: ...``.
 
     The server runs in a session of its own, so that ``stop`` ends everything it started (its
-    scheduler and detokenizer processes, fastload's early reads) and ``leftovers`` can tell what
-    is still running after the server's own process has ended."""
+    scheduler and detokenizer processes, fastload's early reads)."""
+
+    engine = "SGLang"
 
     def __init__(self, model: str | os.PathLike, args: list[str], *, tp: int = 1, log_path: str | os.PathLike,
                  startup_timeout: float = 600, env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = Path(log_path)
-        self.startup_timeout = startup_timeout
+        super().__init__(log_path=log_path, startup_timeout=startup_timeout, env=env or sglang_env(tp))
         device = ["--device", "cpu"] if uses_cpu() else []
         self.cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--host", "127.0.0.1",
                     "--port", str(self.port), "--tp", str(tp), *device, *args]
-        self.env = env or sglang_env(tp)
-        self.proc: subprocess.Popen[bytes] | None = None
-        self._log: BinaryIO | None = None
-        #: Seconds from the process's start to ready (``/health`` answering 200), once ready.
-        self.ready_s: float | None = None
-        #: Where it ended during start-up: seconds from its start, and when (``time.time()``).
-        self.exited_after_s: float | None = None
-        self.exited_at: float | None = None
-
-    def __enter__(self) -> SglangServer:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def start(self) -> None:
-        """Start the server and wait until it answers ``/health`` (after SGLang's warm-up request);
-        ``ServerExited`` where it ends first, ``TimeoutError`` where it takes longer than allowed."""
-        self._log = self.log_path.open("wb")
-        started = time.monotonic()
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
-                                     start_new_session=True)
-        while time.monotonic() < started + self.startup_timeout:
-            if self.proc.poll() is not None:
-                self.exited_after_s, self.exited_at = time.monotonic() - started, time.time()
-                raise ServerExited(f"SGLang server exited with code {self.proc.returncode} during start-up after "
-                                   f"{self.exited_after_s:.1f} s; last lines of {self.log_path}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        self.ready_s = time.monotonic() - started
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.1)  # the time to ready is measured by this loop
-        self.stop()
-        raise TimeoutError(f"SGLang server not ready after {self.startup_timeout:.0f} s; see {self.log_path}")
-
-    def generate(self, prompts: list[list[int]], max_new_tokens: int = 8) -> list[list[int]]:
-        """Greedy output ids for each prompt (token ids), one batch through ``/generate``."""
-        body = {"input_ids": prompts, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}}
-        req = urllib.request.Request(self.url + "/generate", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=300) as resp:
-            out = json.loads(resp.read())
-        return [item["output_ids"] for item in out]
-
-    def log_text(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log_text().splitlines()[-lines:])
 
     def start_log(self) -> StartLog:
         return StartLog.parse(self.log_text())
-
-    def leftovers(self) -> list[str]:
-        """The processes of the server's session still running (``pid command``): none once it has
-        ended cleanly."""
-        return [] if self.proc is None else session_processes(self.proc.pid)
 
     def stop(self) -> None:
         """End the server and every process of its session (SIGTERM, then SIGKILL)."""
@@ -186,10 +119,4 @@ class SglangServer:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:  # (cannot be: it was sent SIGKILL)
                 pass
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-
-class ServerExited(RuntimeError):
-    """The server ended during start-up."""
+        self._close_log()

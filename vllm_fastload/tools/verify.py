@@ -18,15 +18,15 @@ from __future__ import annotations
 import gc
 import json
 import os
-import socket
 import sys
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from vllm_fastload.tools.processes import remove_cpu_shm
+from vllm_fastload.tools.servers import free_port
 
 #: mode -> (vLLM load format, --model-loader-extra-config). The first mode is the reference.
 DEFAULT_MODES: dict[str, tuple[str, dict]] = {
@@ -114,7 +114,8 @@ def rank_main(rank: int, tp: int, port: int, out_dir: str, paths: list[str], mod
         init_distributed_environment(tp, rank, f"tcp://127.0.0.1:{port}", rank, "nccl" if cuda else "gloo")
         ensure_model_parallel_initialized(tp, 1)
     try:
-        _load_all(rank, out_dir, paths, modes, tp, dtype, more)
+        load_every_checkpoint(rank, out_dir, paths, modes, more,
+                              lambda path, load_format, extra: _frozen_load(path, tp, load_format, extra, dtype))
     finally:
         # vLLM's groups hold a shared-memory broadcast queue (rank 0 creates it); destroyed here,
         # rank 0 unlinks it. Left to the interpreter's exit, it outlived the rank and Python's
@@ -125,20 +126,28 @@ def rank_main(rank: int, tp: int, port: int, out_dir: str, paths: list[str], mod
         gc.collect()
 
 
-def _load_all(rank: int, out_dir: str, paths: list[str], modes: dict, tp: int, dtype: str,
-              more: dict | None) -> None:
+def load_every_checkpoint(rank: int, out_dir: str, paths: list[str], modes: dict, more: dict | None,
+                          load: Callable[[str, str, dict], dict]) -> None:
+    """Every checkpoint in every mode (``more`` adds modes for some paths), each through
+    ``load(path, load_format, extra)``; the rank's results go to ``out_dir/rank{rank}.json`` after
+    each checkpoint (a crash keeps what was done). An error is recorded per checkpoint: the others
+    still run. The rank processes of both engines share it."""
     results: dict = {}
     for path in paths:
         entry: dict = {}
         try:
             for mode, (load_format, extra) in {**modes, **(more or {}).get(path, {})}.items():
-                _freeze_heap()
-                entry[mode] = load_and_digest(path, tp, load_format, extra, dtype)
+                entry[mode] = load(path, load_format, extra)
         except BaseException as exc:  # recorded per checkpoint; the others still run
             entry["error"] = f"{type(exc).__name__}: {exc}"
             entry["traceback"] = traceback.format_exc()
         results[path] = entry
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+
+
+def _frozen_load(path: str, tp: int, load_format: str, extra: dict, dtype: str) -> dict:
+    _freeze_heap()
+    return load_and_digest(path, tp, load_format, extra, dtype)
 
 
 def _freeze_heap() -> None:
@@ -175,9 +184,7 @@ def run_ranks(paths: list[str], tp: int, out_dir: str | Path, modes: Mapping[str
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % cpus) for r in range(tp))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=target, args=(r, tp, port, str(out_dir), list(paths), dict(modes), dtype,
                                                     {k: dict(v) for k, v in (more or {}).items()}))

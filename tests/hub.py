@@ -5,8 +5,9 @@
 ``../../blobs/``, ``refs/<branch>``). ``StandInHub`` answers the part of the Hub's HTTP API that
 vLLM and ``huggingface_hub`` ask at start-up for one repository (repository info, file tree,
 paths info, file metadata and downloads), on loopback, through ``HF_ENDPOINT``; it records every
-request. Tests and ``vllm-fastload bench --model org/name`` use them; nothing here is imported by
-the loader.
+request. A test helper, not shipped: the tests use it, and ``vllm-fastload bench --model org/name
+--stand-in-hub`` loads it from a source checkout (``bench/hubbench.py``), so it imports nothing
+but the standard library.
 """
 
 from __future__ import annotations
