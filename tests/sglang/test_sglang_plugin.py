@@ -182,6 +182,22 @@ def test_wrong_shape(errors):
     assert "tensor 'model.layers.0.self_attn.k_proj.weight'" in error and str(path / "model.safetensors") in error
 
 
+def test_wrong_shape_is_refused_at_tp2_too(errors, tmp_path):
+    """At TP=2 each rank takes only its part of the tensor, and SGLang's default loader narrows an
+    oversized one on both without a word: the two ranks find together that 8 rows are left out."""
+    path, _ = errors["shape"]
+    results = run_ranks([str(path)], 2, tmp_path / "out", {"default": ("auto", {}),
+                                                          "fastload": ("fastload", {"progress": False})},
+                        verbose=False, engine="sglang")
+    for rank, done in enumerate(results):
+        entry = done[str(path)]
+        assert "default" in entry, f"SGLang's default loader refused it on rank {rank}: {entry}"
+        error = entry.get("error", "")
+        assert error.startswith("CheckpointError: ") and "the 2 ranks of the tensor-parallel group together take " \
+            "only [0, 64) of its dim 0 (of 72" in error, f"rank {rank}: {entry}"
+        assert "tensor 'model.layers.0.self_attn.k_proj.weight'" in error and "qkv_proj.weight" in error, error
+
+
 def test_wrong_dtype(errors):
     _, error = errors["dtype"]
     assert "checkpoint dtype I32 does not match parameter" in error

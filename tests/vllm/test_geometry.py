@@ -25,9 +25,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
+import vllm_fastload
 from vllm_fastload import LoadReport
 from vllm_fastload.config import FastloadConfig
+from vllm_fastload.model import coverage
+from vllm_fastload.model.probe import probe_model
 from vllm_fastload.model.rank import load_rank
+from vllm_fastload.tensors import dtype_of, shape_of
 
 from . import patterns
 from .layers import Case, ThreadCollectives, on_rank, parameter_bytes, vllm_context
@@ -112,12 +116,30 @@ def _check(case: Case, reader: dict, layout: dict, label: str | None = None, **e
             oracle.load_weights(iter({n: t.clone() for n, t in case.tensors.items()}.items()))
     with tempfile.TemporaryDirectory() as tmp:
         path = _write(case, Path(tmp), layout["files"], layout["evict"])
+        _assert_taken_whole(case, path, [fast for _, fast in ranks])
         reports = _load_every_rank(case, path, config, [fast for _, fast in ranks])
     for rank, ((oracle, fast), report) in enumerate(zip(ranks, reports)):
         problem = _differences(case, rank, parameter_bytes(oracle), parameter_bytes(fast), report)
         assert not problem, problem
         PATHS_TAKEN.update({k: v for k, v in report.paths.items() if v})
     EXAMPLES_RUN[label or case.pattern.split("/")[0]] += 1
+
+
+def _assert_taken_whole(case: Case, path: str, models: list) -> None:
+    """Every generated checkpoint is one its layers take whole (vocabulary padding, replicated KV
+    heads, fused and quantized parts included): the ranks' uses together pass the check that
+    refuses a tensor larger than the model takes (``model.coverage``), whatever the TP."""
+    with vllm_fastload.open(path, config={"progress": False}) as ckpt:
+        infos = dict(ckpt.tensors)
+    shapes = {name: (shape_of(info), dtype_of(info)) for name, info in infos.items()}
+    everyone = []
+    for rank, model in enumerate(models):
+        with on_rank(rank, case.world):
+            probe = probe_model(model, shapes)
+        if probe.unsupported:
+            return  # read whole through load_weights: the engine's own loaders, nothing to judge
+        everyone.append(coverage.uses(probe.placements, infos))
+    coverage.check_taken_whole(everyone, infos, {}, f"{case.world} ranks")
 
 
 def _load_every_rank(case: Case, path: str, config: FastloadConfig, models: list) -> list[LoadReport]:

@@ -42,7 +42,7 @@ from vllm_fastload import (
     TensorRequest,
     policy,
 )
-from vllm_fastload.model import exchange
+from vllm_fastload.model import coverage, exchange
 from vllm_fastload.model.probe import LoadWeights, Placement, ProbeResult, own_load_weights, probe_model
 from vllm_fastload.model.reads import RankReads, plan_reads
 from vllm_fastload.tensors import dtype_of, shape_of
@@ -66,7 +66,7 @@ def load_rank(model: nn.Module, path: str | list[str], config: FastloadConfig, *
               device: torch.device | str = "cpu", rank: int = 0, world: int = 1,
               collectives: exchange.Collectives | None = None, show_progress: bool = False,
               listener: ParameterListener | None = None, load_weights: LoadWeights | None = None,
-              rank_cpus: tuple[int, ...] | None = None) -> LoadReport:
+              rank_cpus: tuple[int, ...] | None = None, group_takes_all: bool = True) -> LoadReport:
     """Fill ``model``'s parameters from the checkpoint at ``path`` (or exactly the files listed) as
     this rank's ``load_weights`` would.
 
@@ -79,10 +79,14 @@ def load_rank(model: nn.Module, path: str | list[str], config: FastloadConfig, *
     that is not just ``model.load_weights`` (SGLang renames some tensors on the way); the probe
     runs it on placeholders and the fallback on the real tensors, so both see what the engine does.
     ``rank_cpus``: the CPUs the engine bound this rank to, where it did (``ConfigFacts.rank_cpus``).
+    ``group_takes_all``: the ranks of ``collectives`` (this rank alone without it) together take
+    every element of each checkpoint tensor they use, so that a tensor they leave part of is a
+    checkpoint that does not match the model (``model.coverage``); False where the engine splits
+    tensors beyond the group by design (experts spread over data-parallel ranks).
     """
     decisions = policy.DecisionLog()  # this load's decisions, each logged once
     sharing = _Sharing(collectives, decisions)
-    load = _Load(model, rank, world, listener, load_weights or own_load_weights(model), sharing)
+    load = _Load(model, rank, world, listener, load_weights or own_load_weights(model), sharing, group_takes_all)
     try:
         with FastCheckpoint(path, device, config, show_progress=show_progress,
                             facts=ConfigFacts(rank_cpus=rank_cpus)) as ckpt:
@@ -102,6 +106,7 @@ class _Load:
     listener: ParameterListener | None
     load_weights: LoadWeights
     sharing: _Sharing
+    group_takes_all: bool
     phases: dict[str, float] = field(default_factory=dict)
 
     def run(self, ckpt: FastCheckpoint) -> LoadReport:
@@ -141,13 +146,15 @@ class _Load:
         _check_fully_written(probe, ckpt.source)
         if self.world == 1:
             _check_fully_used(probe, infos)
+        grouped = self.sharing.collectives is not None and self.group_takes_all
+        uses = coverage.uses(probe.placements, infos) if grouped else None
         planning = time.perf_counter()
         reads = plan_reads(probe, infos, ckpt.strided_min_skip)
         own_cached = ckpt.cached_share({req.name for req in [*reads.targets, *reads.slabs]})
         reading = time.perf_counter()
         readiness = _Readiness(probe.placements, self.listener) if self.listener is not None else None
         hooks = _RankHooks(reads, readiness)
-        summary, exchanged, stats = _load_planned(ckpt, reads, self.sharing, hooks)
+        summary, exchanged, stats = _load_planned(ckpt, reads, self.sharing, hooks, uses)
         post = readiness.seconds if readiness is not None else 0.0
         self.phases.update(plan=reading - planning, check=hooks.check_seconds,
                            read=time.perf_counter() - reading - hooks.check_seconds - post,
@@ -207,15 +214,20 @@ class _RankHooks(ReadHooks):
             self.readiness.group_done(group)
 
 
-def _load_planned(ckpt: FastCheckpoint, reads: RankReads, sharing: _Sharing,
-                  hooks: _RankHooks) -> tuple[str, int, LoadStats]:
-    """Read and replay; the summary, how many tensors the row exchange delivered, and what the read did."""
+def _load_planned(ckpt: FastCheckpoint, reads: RankReads, sharing: _Sharing, hooks: _RankHooks,
+                  uses: Mapping[str, coverage.Use] | None) -> tuple[str, int, LoadStats]:
+    """Check that the group takes each tensor whole (``uses``: this rank's part, None: not
+    checked), read and replay; the summary, how many tensors the row exchange delivered, and what
+    the read did."""
     # No huge-page advice on the parameters: in an engine's worker whose memory is bound to a NUMA
     # node it made the load several times slower, though it speeds filling fresh memory in a plain
     # process (docs/benchmarks.md, Measurements behind the code). (The host reader does fault in
     # parameter pages it is about to overwrite, see readers.memory: that changes no policy.)
     targets, slabs = reads.targets, list(reads.slabs)
-    swap = hooks.swap = sharing.agree(targets)
+    swap = hooks.swap = sharing.agree(targets, uses)
+    if sharing.uses is not None:  # every rank has the same uses, so every rank raises alike
+        coverage.check_taken_whole(sharing.uses, ckpt.tensors, reads.writes,
+                                   f"{len(sharing.uses)} ranks of the tensor-parallel group")
     if swap is not None:
         targets = {req: dest for req, dest in targets.items() if not swap.owns(req)}
         slabs += swap.row_requests()
@@ -312,6 +324,8 @@ class _Sharing:
         self.decisions = decisions if decisions is not None else policy.DecisionLog()
         self.ckpt: FastCheckpoint | None = None
         self.infos: Mapping[str, TensorInfo] = {}
+        #: Every rank's ``coverage.Use`` per tensor, once agreed (None: not every rank sent them).
+        self.uses: list[Mapping[str, coverage.Use]] | None = None
 
     def decide(self, ckpt: FastCheckpoint) -> None:
         """What this rank will offer, once the checkpoint is open."""
@@ -327,9 +341,10 @@ class _Sharing:
         self.decisions.note("row exchange", decision, setting=config.row_exchange, remote=remote)
         return decision.offered
 
-    def agree(self, targets: Mapping[TensorRequest, torch.Tensor] | None) -> exchange.RowExchange | None:
+    def agree(self, targets: Mapping[TensorRequest, torch.Tensor] | None,
+              uses: Mapping[str, coverage.Use] | None = None) -> exchange.RowExchange | None:
         """Agree with the group (once; after that, None) on the row reads to share, offering
-        ``targets``' where ``offer`` says so."""
+        ``targets``' where ``offer`` says so, and gather every rank's ``uses`` (``self.uses``)."""
         if not self.pending or self.collectives is None:
             return None
         try:
@@ -339,10 +354,23 @@ class _Sharing:
             offered = False
         except BaseException:
             self.pending = False
-            exchange.agree(self.collectives, None, self.infos)  # the others must not wait for this rank
+            self._gather(None, None)  # the others must not wait for this rank
             raise
         self.pending = False
-        return exchange.agree(self.collectives, targets if offered else None, self.infos)
+        return self._gather(targets if offered else None, uses)
+
+    def _gather(self, targets: Mapping[TensorRequest, torch.Tensor] | None,
+                uses: Mapping[str, coverage.Use] | None) -> exchange.RowExchange | None:
+        """The group's two rounds, taken by every rank in this order whatever happens in the first."""
+        assert self.collectives is not None
+        try:
+            swap = exchange.agree(self.collectives, targets, self.infos)
+        except BaseException:
+            self.collectives.all_gather_object(None)
+            raise
+        everyone = self.collectives.all_gather_object(uses)
+        self.uses = None if any(u is None for u in everyone) else everyone
+        return swap
 
     def give_up(self) -> None:
         """Agree to nothing if not agreed yet; a failure here (a peer already gone) is logged, so

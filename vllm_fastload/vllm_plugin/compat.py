@@ -179,6 +179,13 @@ def tp_group() -> Any | None:
         return None
 
 
+def experts_beyond_tp_group(parallel: Any) -> bool:
+    """Whether expert parallelism spreads experts over data-parallel ranks as well as the
+    tensor-parallel group (``--enable-expert-parallel`` with ``--data-parallel-size`` > 1)."""
+    return bool(getattr(parallel, "enable_expert_parallel", False)) and \
+        int(getattr(parallel, "data_parallel_size", 1) or 1) > 1
+
+
 # -- object storage ----------------------------------------------------------------------------
 def allow_object_storage(load_format: str, is_object_uri: Callable[[object], bool]) -> None:
     """Let ``--load-format <load_format>`` load ``s3://``/``gs://``/``az://`` models (idempotent).

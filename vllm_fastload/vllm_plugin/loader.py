@@ -49,16 +49,21 @@ class FastloadModelLoader(BaseModelLoader):
         self._post_device: torch.device | None = None
         #: Where this rank's reader threads run, while ``load_model`` runs (see ``cpus``).
         self._cpus: tuple[int, ...] | None = None
+        #: Whether the tensor-parallel group's ranks together take each tensor they use whole:
+        #: not where expert parallelism spreads experts over data-parallel ranks too.
+        self._group_takes_all = True
 
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
         load_device = vllm_config.load_config.device or vllm_config.device_config.device
         self._post_device = torch.device(load_device)
         self._cpus = None if self.config.is_set("cpus") else reader_cpus()
+        self._group_takes_all = not compat.experts_beyond_tp_group(vllm_config.parallel_config)
         try:
             return super().load_model(vllm_config, model_config, prefix=prefix)
         finally:
             self._post_device = None
             self._cpus = None
+            self._group_takes_all = True
 
     # -- BaseModelLoader --------------------------------------------------------------------
     def download_model(self, model_config: ModelConfig) -> None:
@@ -83,7 +88,8 @@ class FastloadModelLoader(BaseModelLoader):
         post = self._post_processor(model)
         report = load_rank(model, path if files is None else files, self.config, device=model_device(model),
                            rank=rank, world=world, collectives=_tp_collectives(),
-                           show_progress=self.config.progress and rank == 0, listener=post, rank_cpus=self._cpus)
+                           show_progress=self.config.progress and rank == 0, listener=post, rank_cpus=self._cpus,
+                           group_takes_all=self._group_takes_all)
         if post is not None:
             report = dataclasses.replace(report, post_processed=post.processed)
         logger.info("%s", report.line())
