@@ -46,7 +46,8 @@ def test_rows_too_many_are_refused_naming_file_tensor_and_both_shapes():
         check_taken_whole(everyone, {K: info}, mine, "2 ranks of the tensor-parallel group")
     message = str(err.value)
     assert err.value.file == "/ckpt/model.safetensors" and err.value.tensor == K
-    assert "shape [24, 8] but the 2 ranks of the tensor-parallel group together take only [0, 16) of its dim 0" in message
+    assert "shape [24, 8] but the 2 ranks of the tensor-parallel group together take only [0, 16) of its dim 0" \
+        in message
     assert "qkv_proj.weight [8, 8]" in message
 
 
