@@ -43,9 +43,9 @@ def test_smoke_run_measures_everything_and_checks_the_bytes(tmp_path: Path):
 
     model = str(tmp_path / "ckpt")
     with vllm_fastload.open(model, config={"progress": False}) as ckpt:
-        total = ckpt.checkpoint.total_bytes
-        tp_bytes = ckpt.plan(rank_requests(ckpt.checkpoint, 2, 1)).read_bytes
-        files = sorted(ckpt.checkpoint.files)
+        total = ckpt.total_bytes
+        tp_bytes = ckpt.plan(rank_requests(ckpt.tensors, 2, 1)).read_bytes
+        files = sorted(ckpt.files)
     assert result["checkpoint"]["bytes"] == total and result["checkpoint"]["files"] == len(files) == 3
     assert total == sum(math.prod(shape) * 2 for _, shape in tensor_shapes(bench.SMOKE_SPEC))
 

@@ -179,7 +179,7 @@ def test_tp_rank_slices_on_gpu(tmp_path: Path, backend: str, config: dict):
 
     root = write_checkpoint(tmp_path / "ck", "tiny-llama", files=3)
     with open_ckpt(root, dict(config, backend=backend), device="cuda") as ckpt:
-        requests = rank_requests(ckpt.checkpoint, 2, 1)
+        requests = rank_requests(ckpt.tensors, 2, 1)
         assert any(r.dim == 1 for r in requests)
         wants = {}
         for r in requests:
@@ -191,7 +191,7 @@ def test_tp_rank_slices_on_gpu(tmp_path: Path, backend: str, config: dict):
                  for r in requests}
         stats = ckpt.read_into(dests)
         torch.cuda.synchronize()
-        assert stats.bytes_read == ckpt.plan(requests).read_bytes < ckpt.checkpoint.total_bytes
+        assert stats.bytes_read == ckpt.plan(requests).read_bytes < ckpt.total_bytes
         for r, dest in dests.items():
             assert_bitexact(dest, wants[r.result_key], r.result_key)
 

@@ -126,7 +126,7 @@ def test_early_reads_on_local_disks_by_default_and_on_network_filesystems_when_a
     """What the vLLM plugin reads while vLLM starts (``early.files_to_read``), decided on a real
     sshfs mount and on the local disk it serves: by default ('auto') the local disk only,
     'always' (or true) both, 'never' (or false) neither."""
-    from vllm_fastload.model.early import files_to_read
+    from vllm_fastload.early.decide import files_to_read
 
     served = sorted(p.name for p in local_checkpoint.glob("*.safetensors"))
     assert len(served) == 2

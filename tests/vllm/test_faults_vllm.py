@@ -325,7 +325,7 @@ def _killed_start(model: Path, slow: Path, tmp_path: Path, short_tmp: Path, name
         _end(proc, signal.SIGKILL)
     if escalated:  # the server ran no exit handler: what the next start does with marks left behind
         # (the reading process, which got SIGTERM too, removes them itself as it ends)
-        subprocess.run([sys.executable, "-c", "from vllm_fastload.sources.early_reads import LoadMarks\n"
+        subprocess.run([sys.executable, "-c", "from vllm_fastload.early.marks import LoadMarks\n"
                         "LoadMarks.remove_stale()"], env={**os.environ, "TMPDIR": str(tmpdir)}, check=True)
     _assert_nothing_left(proc, tmpdir, log, held, early_reads_terminated=kill == "server")
     assert code != 0 if kill == "worker" else code in (0, -signal.SIGTERM, 1, -signal.SIGKILL), code

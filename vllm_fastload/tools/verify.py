@@ -15,13 +15,14 @@ buffer. The architecture test zoo (tests/vllm/zoo.py) runs through the same code
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
 import sys
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -171,17 +172,19 @@ def run_ranks(paths: list[str], tp: int, out_dir: str | Path, modes: Mapping[str
     """
     import multiprocessing as mp
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # The ranks' environment, this process's left as it was (a caller that runs ranks of several
+    # sizes, or starts vLLM itself afterwards, must not inherit one run's settings).
+    ranks_env = {"HF_HUB_OFFLINE": "1"}
     target = rank_main
     if engine == "sglang":
         from vllm_fastload.tools import sglang_ranks
 
         target = sglang_ranks.rank_main
     elif not verbose:
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the ranks' start-up chatter
-    if engine == "vllm" and tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        ranks_env["VLLM_LOGGING_LEVEL"] = "ERROR"  # the ranks' start-up chatter
+    if engine == "vllm" and tp > 1:
         cpus = os.cpu_count() or 1  # vLLM-CPU binds each rank's threads; share the cores round robin
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % cpus) for r in range(tp))
+        ranks_env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % cpus) for r in range(tp))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
@@ -189,8 +192,9 @@ def run_ranks(paths: list[str], tp: int, out_dir: str | Path, modes: Mapping[str
     procs = [ctx.Process(target=target, args=(r, tp, port, str(out_dir), list(paths), dict(modes), dtype,
                                                     {k: dict(v) for k, v in (more or {}).items()}))
              for r in range(tp)]
-    for p in procs:
-        p.start()
+    with _environment({k: v for k, v in ranks_env.items() if k not in os.environ}):
+        for p in procs:
+            p.start()
     deadline = time.monotonic() + timeout
     for p in procs:
         p.join(max(deadline - time.monotonic(), 1))
@@ -208,6 +212,17 @@ def run_ranks(paths: list[str], tp: int, out_dir: str | Path, modes: Mapping[str
             done.setdefault(path, {"error": f"rank {r} did not finish it (exit code {p.exitcode})"})
         results.append(done)
     return results
+
+
+@contextlib.contextmanager
+def _environment(values: Mapping[str, str]) -> Iterator[None]:
+    """``values`` in this process's environment while the block runs (spawned processes copy it)."""
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key in values:
+            os.environ.pop(key, None)
 
 
 @dataclass
