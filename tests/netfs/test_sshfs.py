@@ -94,7 +94,7 @@ def test_tp2_slices_through_sshfs_bit_exactly(mounted: Path, local_checkpoint: P
     mine = config if strided_min_skip is None else {**config, "strided_min_skip": strided_min_skip}
     with vllm_fastload.open(local_checkpoint, config=config) as local, \
             vllm_fastload.open(mounted, config=mine) as remote:
-        requests = rank_requests(remote.checkpoint, 2, rank)
+        requests = rank_requests(remote.tensors, 2, rank)
         assert any(r.dim == 1 for r in requests)  # the row-parallel case is exercised
         dests = {}
         for r in requests:
@@ -162,7 +162,7 @@ def test_no_row_exchange_by_default_on_a_network_filesystem(mounted: Path, local
             infos = {name: ckpt.info(name) for name in ckpt.keys()}
             name = "model.layers.0.self_attn.o_proj.weight"
             sharing = _Sharing(None)
-            sharing.decide(config, ckpt, infos)
+            sharing.decide(ckpt)
             return sharing.offer({TensorRequest(name, dim=1, start=0, length=infos[name].shape[1] // 2): None})
 
     assert offer() is False
