@@ -212,20 +212,22 @@ class FastCheckpoint:
         """The reader backend (made on first use; its threads start with its first read)."""
         return self._reader_for(self.config)
 
-    def cached_share(self, names: Iterable[str] | None = None) -> float | None:
-        """The share of the named tensors' bytes in the page cache, from a sample of
-        ``policy.PAGE_SAMPLES`` pages per tensor (no names: of the checkpoint's bytes,
+    def cached_share(self, requests: Iterable[RequestLike] | None = None) -> float | None:
+        """The share of the bytes that reading ``requests`` reads (tensor names, or the slices of
+        ``TensorRequest``s, as their plan reads them) in the page cache, from a sample of
+        ``policy.PAGE_SAMPLES`` pages per request (none: of the checkpoint's bytes,
         ``policy.FILE_PAGE_SAMPLES`` per file); None where it cannot be told (objects, or
         ``mincore`` not answering truthfully)."""
         if self._checkpoint.is_remote:
             return None
         spans: list[_Sampled]
-        if names is None:
-            spans = [_Sampled(f.fd, 0, os.fstat(f.fd).st_size, policy.FILE_PAGE_SAMPLES)
-                     for f in self._checkpoint.files.values() if f.fd is not None]
+        if requests is None:
+            sizes = {f.fd: os.fstat(f.fd).st_size for f in self._checkpoint.files.values() if f.fd is not None}
+            spans = [_Sampled.evenly(fd, [(0, size)], policy.FILE_PAGE_SAMPLES, size) for fd, size in sizes.items()]
         else:
-            infos = [self._checkpoint.info(name) for name in names]
-            spans = [_Sampled(self._checkpoint.files[i.file].fd, i.start, i.end, policy.PAGE_SAMPLES) for i in infos]
+            planned = plan_requests(self._checkpoint, requests, self.strided_min_skip)
+            spans = [_Sampled.evenly(self._checkpoint.files[t.info.file].fd, t.ranges, policy.PAGE_SAMPLES,
+                                     t.read_bytes) for t in planned]
         return _weighted_cached_share(spans)
 
     def plan(self, requests: Iterable[RequestLike] | None = None, *,
@@ -465,12 +467,23 @@ def _as_request(request: RequestLike) -> TensorRequest:
 
 @dataclass(frozen=True)
 class _Sampled:
-    """Bytes ``[start, end)`` of the file open as ``fd`` (None: an object), probed at ``samples`` pages."""
+    """``nbytes`` bytes of the file open as ``fd`` (None: an object), probed at ``offsets``."""
 
     fd: int | None
-    start: int
-    end: int
-    samples: int
+    offsets: tuple[int, ...]
+    nbytes: int
+
+    @classmethod
+    def evenly(cls, fd: int | None, ranges: Sequence[tuple[int, int]], samples: int, nbytes: int) -> _Sampled:
+        """About ``samples`` offsets spread evenly over ``nbytes`` bytes in ``ranges`` (``(offset,
+        length)`` each, as a plan reads them: a slice's rows are many), at most one per page."""
+        count = len(ranges)
+        chosen = ranges if count <= samples else [ranges[i * (count - 1) // (samples - 1)] for i in range(samples)]
+        offsets: set[int] = set()
+        for offset, length in chosen:
+            each = min(-(-samples // len(chosen)), -(-length // pagecache.PAGE))
+            offsets.update(offset + (length - 1) * j // max(each - 1, 1) for j in range(each))
+        return cls(fd, tuple(sorted(offsets)), nbytes)
 
 
 def _weighted_cached_share(spans: Iterable[_Sampled]) -> float | None:
@@ -478,12 +491,11 @@ def _weighted_cached_share(spans: Iterable[_Sampled]) -> float | None:
     span's share cannot be told."""
     found = weight = 0.0
     for span in spans:
-        share = None if span.fd is None else pagecache.cached_share(span.fd, span.start, span.end,
-                                                                     samples=span.samples)
+        share = None if span.fd is None else pagecache.share_cached(span.fd, span.offsets)
         if share is None:
             return None
-        found += share * (span.end - span.start)
-        weight += span.end - span.start
+        found += share * span.nbytes
+        weight += span.nbytes
     return found / weight if weight else None
 
 

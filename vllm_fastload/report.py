@@ -47,9 +47,9 @@ class LoadReport:
     #: The share of the checkpoint in the page cache as the load began (early reads, or a warm
     #: cache); None where it cannot be told (object stores).
     cached: float | None = None
-    #: The share of the tensors this rank's plan reads in the page cache as its reads began (None:
-    #: no plan, or it cannot be told); where nodes read only their share early, the figure that
-    #: says whether those reads served this rank.
+    #: The share of the bytes this rank's plan reads (its own slices, not the tensors they are cut
+    #: from) in the page cache as its reads began (None: no plan, or it cannot be told); where nodes
+    #: read only their share early, the figure that says whether those reads served this rank.
     own_cached: float | None = None
     #: Parameters no checkpoint write reached on the planned path (``ProbeResult.never_written``).
     never_written: tuple[str, ...] = ()
@@ -85,7 +85,7 @@ class LoadReport:
         phases = ", ".join(f"{k} {v:.3f}" for k, v in self.phases.items())
         cached = f"; {self.cached:.0%} of it in the page cache as the load began" if self.cached is not None else ""
         if self.cached is not None and self.own_cached is not None:
-            cached += f" ({self.own_cached:.0%} of the tensors this rank reads)"
+            cached += f" ({self.own_cached:.0%} of the bytes this rank reads)"
         post = f"; {self.post_processed} modules post-processed as their layer completed" if self.post_processed else ""
         cpus = f"; reader threads on CPUs {','.join(map(str, self.cpus))}" if self.cpus else ""
         return (f"fastload rank {self.rank}/{self.world}: read {self.bytes_read / 1e6:.1f} MB of "

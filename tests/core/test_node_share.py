@@ -111,6 +111,28 @@ def test_tensor_parallel_ranks_across_nodes_read_estimated_rows(dense: Path):
         node=1, nodes=2, layers_total=4, ranks=(RankHolding(range(4), True, True, tp_rank=1, tp_size=2),)).describe()
 
 
+def test_a_vocabulary_is_split_padded_as_the_engines_split_it(dense: Path):
+    """Vocabulary 1000 at TP=2: the engines pad it to 1024 and give rank 0 rows [0, 512) and rank 1
+    rows [512, 1000) (not 500 each); a weight that is not a vocabulary is split evenly."""
+    tensors, headers = _open(dense)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        info = tensors[name]
+        row = info.nbytes // info.shape[0]
+        cut = info.start + 512 * row
+        for rank in (0, 1):
+            layout = NodeLayout(node=rank, nodes=2, layers_total=4, ranks=(
+                RankHolding(layers=range(4), embeddings=True, head=True, tp_rank=rank, tp_size=2),))
+            share = node_share(tensors, headers, layout, gap=0)
+            mine, other = ((info.start, cut), (cut, info.end)) if rank == 0 else ((cut, info.end), (info.start, cut))
+            assert _covered(share.ranges, info.file, *mine) == mine[1] - mine[0], (name, rank)
+            assert _covered(share.ranges, info.file, *other) == 0, (name, rank)
+    unpadded = NodeLayout(node=0, nodes=2, layers_total=4, vocab_padding=1, ranks=(
+        RankHolding(layers=range(4), embeddings=True, head=True, tp_rank=0, tp_size=2),))
+    embed = tensors["model.embed_tokens.weight"]
+    half = embed.nbytes // 2
+    assert _covered(node_share(tensors, headers, unpadded, gap=0).ranges, embed.file, embed.start, embed.end) == half
+
+
 def test_expert_parallel_nodes_read_their_experts_whole(moe: Path):
     tensors, headers = _open(moe)
     layouts = [NodeLayout(node=n, nodes=2, layers_total=2, experts_total=4, ranks=(
@@ -182,6 +204,77 @@ def test_early_reads_read_the_node_share_and_say_so(dense: Path, tmp_path: Path,
         finally:
             os.close(fd)
         assert cached == (0.0 if ".layers.0." in name else 1.0), name
+    monkeypatch.delenv(early.STARTED_ENV, raising=False)
+
+
+def test_a_rank_counts_the_cached_bytes_of_its_own_rows(dense: Path, tmp_path: Path):
+    """What a rank's line reports as found in the page cache (``FastCheckpoint.cached_share`` of
+    its requests) samples the rows it reads, not the whole tensors they are cut from: with only a
+    node's half of a column-parallel weight cached, that half is all cached, the tensor half."""
+    import vllm_fastload
+    from vllm_fastload.plan import TensorRequest
+
+    copy = tmp_path / "ckpt"
+    copy.mkdir()
+    for f in dense.iterdir():
+        (copy / f.name).write_bytes(f.read_bytes())
+    files = sorted(str(p) for p in copy.glob("*.safetensors"))
+    os.sync()
+    evict(files)
+    if _cached_share(Path(files[0])) > 0.5:
+        pytest.skip("this filesystem keeps files cached after POSIX_FADV_DONTNEED (tmpfs?)")
+    name = "model.layers.0.mlp.up_proj.weight"  # [1024, 256] bf16: 256 KiB, 64 pages a half
+    with vllm_fastload.open(copy, config={"progress": False, "early_reads": "never"}) as ckpt:
+        info = ckpt.tensors[name]
+        half = info.shape[0] // 2
+        fd = os.open(info.file, os.O_RDONLY)
+        try:
+            os.pread(fd, info.nbytes // 2, info.start)  # rank 0's rows, as its node's early reads read them
+        finally:
+            os.close(fd)
+        mine, theirs = (TensorRequest(name, dim=0, start=s, length=half) for s in (0, half))
+        assert ckpt.cached_share([mine]) == 1.0
+        assert ckpt.cached_share([theirs]) <= 1 / policy.PAGE_SAMPLES  # the one page it shares with rank 0's rows
+        assert ckpt.cached_share([name]) == pytest.approx(0.5, abs=0.07)
+        # weighted by bytes: rank 0's half (cached) against a whole tensor twice its size (not)
+        assert ckpt.cached_share([mine, "model.layers.3.mlp.up_proj.weight"]) == pytest.approx(1 / 3, abs=0.05)
+        columns = TensorRequest(name, dim=1, start=0, length=info.shape[1] // 2)  # every row: half of them cached
+        assert ckpt.cached_share([columns]) == pytest.approx(0.5, abs=0.1)
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_a_checkpoint_no_rank_could_load_ends_the_start_at_once(dense: Path, tmp_path: Path, monkeypatch, caplog,
+                                                                nodes: int):
+    """A file cut short, found as early reads look at the checkpoint (on one node, or on node 1 of
+    two): an error line naming the file, and the error raised to end the engine's start, not a
+    rank's failure later; a checkpoint that is not there is left to the load, as before."""
+    from vllm_fastload.errors import TruncatedFileError
+
+    copy = tmp_path / "ckpt"
+    copy.mkdir()
+    for f in dense.iterdir():
+        (copy / f.name).write_bytes(f.read_bytes())
+    shard = sorted(copy.glob("*.safetensors"))[-1]
+    with shard.open("r+b") as f:
+        f.truncate(shard.stat().st_size - 1000)
+    for key in (early.STARTED_ENV, marks.MARKS_ENV, "FASTLOAD_EARLY_READS"):
+        monkeypatch.delenv(key, raising=False)
+    layout = NodeLayout(node=1, nodes=2, ranks=(_stage(1),), layers_total=4) if nodes == 2 else None
+    with caplog.at_level(logging.INFO, logger="vllm_fastload"), pytest.raises(TruncatedFileError) as raised:
+        early.start("test", lambda: early.EarlyStart(path=str(copy), extra={}, local_ranks=1, nodes=nodes,
+                                                     layout=layout))
+    assert raised.value.file == str(shard)
+    (record,) = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert record.getMessage().startswith("fastload: the checkpoint cannot be loaded (found before any rank "
+                                          "started): TruncatedFileError: "), record.getMessage()
+    assert str(shard) in record.getMessage()
+    assert "early reads:" not in caplog.text  # nothing was started
+
+    monkeypatch.delenv(early.STARTED_ENV, raising=False)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="vllm_fastload"):
+        early.start("test", lambda: early.EarlyStart(path=str(tmp_path / "gone"), extra={}, local_ranks=1))
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     monkeypatch.delenv(early.STARTED_ENV, raising=False)
 
 

@@ -28,8 +28,8 @@ pytestmark = pytest.mark.vllm
 #: "fastload: early reads: N checkpoint files (A of B GB: S of the checkpoint, L of its layers; WHO)"
 NODE_READS = re.compile(r"fastload: early reads: \d+ checkpoint files \([\d.]+ of [\d.]+ GB: ([\d.]+) of the "
                         r"checkpoint, ([\d.]+) of its layers; (node \d of 2 holds .*?)\) into the page cache")
-#: "...% of it in the page cache as the load began (N% of the tensors this rank reads)"
-OWN_CACHED = re.compile(r"fastload rank (\d+)/\d+: .*?in the page cache as the load began \((\d+)% of the tensors")
+#: "...% of it in the page cache as the load began (N% of the bytes this rank reads)"
+OWN_CACHED = re.compile(r"fastload rank (\d+)/\d+: .*?in the page cache as the load began \((\d+)% of the bytes")
 
 
 def node_copies(src: Path, root: Path, broken: str | None = None) -> tuple[Path, Path]:
@@ -128,6 +128,43 @@ def test_a_checkpoint_fault_on_one_node_ends_the_start_on_both(checkpoints, tmp_
     assert took < 400
 
 
+@pytest.mark.parametrize("vocab", [500, 1000, 20011, 32000, 128256, 151936])
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_node_share_splits_a_vocabulary_as_vllm_does(vocab, tp):
+    """Each tensor-parallel rank's rows of the embeddings and the head in a node's share are the
+    rows vLLM's ``VocabParallelEmbedding`` gives that rank (its own padding and partition functions)."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        pad_vocab_size,
+        vocab_range_from_global_vocab_size,
+    )
+
+    from vllm_fastload.early.node_share import NodeLayout, RankHolding, node_share
+    from vllm_fastload.format import TensorInfo
+    from vllm_fastload.vllm_plugin.early import _vocab_padding
+
+    row = 64 * 2
+    tensors = {name: TensorInfo(name, "f", "BF16", (vocab, 64), start, start + vocab * row)
+               for name, start in (("model.embed_tokens.weight", 100), ("lm_head.weight", 100 + vocab * row))}
+    for rank in range(tp):
+        layout = NodeLayout(node=rank, nodes=tp, layers_total=0, vocab_padding=_vocab_padding(), ranks=(
+            RankHolding(layers=range(0), embeddings=True, head=True, tp_rank=rank, tp_size=tp),))
+        share = node_share(tensors, {"f": 100}, layout, gap=0)
+        first, last = vocab_range_from_global_vocab_size(pad_vocab_size(vocab), rank, tp)
+        want = [(0, 100)] + [(info.start + first * row, info.start + min(last, vocab) * row)
+                             for info in tensors.values() if first < vocab]
+        assert [span for r in share.ranges for span in r.spans] == [s for s in _merged(want)], (rank, share.ranges)
+
+
+def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for start, end in spans:
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
 @pytest.mark.parametrize(("args", "node", "partition", "want"), [
     ({"pipeline_parallel_size": 2}, 0, None, "node 0 of 2 holds layers 0-1 of 4, the embeddings"),
     ({"pipeline_parallel_size": 2}, 1, "3,1", "node 1 of 2 holds layers 3 of 4, the head"),
@@ -159,5 +196,6 @@ def test_node_layout_from_vllms_config(args, node, partition, want, checkpoints,
     assert start.nodes == 2 and start.layout is not None
     assert want in start.layout.describe()
     assert start.local_ranks == len(start.layout.ranks)
+    assert start.layout.vocab_padding == 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
     one = _settings(EngineArgs(**common).create_engine_config())
     assert one.nodes == 1 and one.layout is None

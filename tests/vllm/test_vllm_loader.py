@@ -240,9 +240,14 @@ def test_truncated_file(checkpoints, tmp_path):
     shard = model / "model.safetensors"
     with shard.open("r+b") as f:
         f.truncate(shard.stat().st_size - 1000)
-    log = start_fails(tmp_path, model)
+    result = run_scenario(tmp_path, "broken", model, "fastload", 1)
+    log = result["log"]
     assert "TruncatedFileError" in log
     assert str(shard) in log
+    # found as early reads looked at the checkpoint, while vLLM built its config: no worker started
+    assert result.get("error", "").startswith("TruncatedFileError: "), result.get("error")
+    assert "fastload: the checkpoint cannot be loaded (found before any rank started): TruncatedFileError" in log
+    assert "fastload rank" not in log and "EngineCore" not in log, log[-3000:]
 
 
 def test_missing_tensor(checkpoints, tmp_path):

@@ -11,7 +11,7 @@ adapter reads off the engine's configuration. The rank's load then finds the pag
 them out. The reads stop when the first rank's load begins (it reads what is missing itself), and
 the files stay mapped in the reading process until every rank of this node has loaded (each leaves
 marks, ``early.marks``) or ``policy.EARLY_READS_HOLD_S`` has passed. A failure here is logged, never
-raised.
+raised, except a checkpoint no rank could load (a file cut short, say): that ends the start at once.
 
 Engine-independent: each adapter calls ``start`` where its engine has its configuration (vLLM:
 ``vllm_plugin.early``; SGLang: ``sglang_plugin``) and loads each rank within ``marks.loading()``.
@@ -30,6 +30,13 @@ from typing import Any
 from vllm_fastload import machine, policy
 from vllm_fastload.early.marks import MARKS_ENV, LoadMarks
 from vllm_fastload.early.node_share import NodeLayout, NodeShare
+from vllm_fastload.errors import (
+    CheckpointError,
+    HeaderError,
+    IndexMismatchError,
+    OutsideCheckpointError,
+    TruncatedFileError,
+)
 from vllm_fastload.frozen import FrozenMap
 
 logger = logging.getLogger("vllm_fastload")
@@ -65,16 +72,28 @@ class EarlyStart:
         object.__setattr__(self, "extra", FrozenMap(self.extra))
 
 
+#: What finding the checkpoint's files may raise that every rank's load would raise too (a file cut
+#: short, an unreadable header, an index that disagrees with its files or points outside the
+#: checkpoint): raised at once, so that the start ends with it instead of when a rank meets it.
+REFUSED: tuple[type[CheckpointError], ...] = (HeaderError, TruncatedFileError, IndexMismatchError,
+                                              OutsideCheckpointError)
+
+
 def start(engine: str, settings: Callable[[], EarlyStart]) -> None:
     """Read the checkpoint of the start that ``settings()`` describes into the page cache, once per
-    path in a process tree (``engine`` names the engine in the log lines). Best effort: any
-    failure, reading the engine's configuration included, is logged, never raised."""
+    path in a process tree (``engine`` names the engine in the log lines). Best effort: a failure,
+    reading the engine's configuration included, is logged, never raised, but for a checkpoint
+    every load would refuse (``REFUSED``): that is logged as an error and raised, to end the start."""
     from vllm_fastload.sources.hub import NotCachedError  # (huggingface_hub only where asked)
 
     try:
         _start(settings(), engine)
     except NotCachedError as exc:
         logger.info("fastload: no early reads: %s; %s downloads it and fastload reads it at load time", exc, engine)
+    except REFUSED as exc:
+        logger.error("fastload: the checkpoint cannot be loaded (found before any rank started): %s: %s",
+                     type(exc).__name__, exc)
+        raise
     except Exception as exc:  # best effort: the loader reads at load time regardless
         logger.info("fastload: no early reads (%s: %s)", type(exc).__name__, exc)
 

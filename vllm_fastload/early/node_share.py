@@ -14,7 +14,9 @@ What that knows exactly: the layers, the embeddings and head, the experts (given
 engine computes, ``RankHolding``). What it estimates: tensor-parallel slices, which only the
 model's own weight loaders know (the rank's load learns them by its probe). A tensor whose module
 the split rules do not name is read whole, and so is a row-parallel weight, whose slice is part of
-every row (interleaved with the other ranks' columns, as a network filesystem reads it anyway).
+every row (interleaved with the other ranks' columns, as a network filesystem reads it anyway). A
+vocabulary (the embeddings, the head) is split as the engines split it: padded first, so that the
+first ranks hold more rows than an even split gives them.
 An estimate errs only in what is read early, never in what is loaded: each rank plans its reads
 from the model and reads what the page cache lacks.
 """
@@ -34,6 +36,11 @@ COLUMN = ("q_proj", "k_proj", "v_proj", "qkv_proj", "gate_proj", "up_proj", "gat
           "embed_tokens", "lm_head", "query_key_value", "c_fc", "fc1", "wte")
 #: Modules whose 2-D weights tensor parallelism splits along dim 1 (row-parallel); their biases are whole.
 ROW = ("o_proj", "down_proj", "w2", "dense", "c_proj", "fc2", "out_proj")
+#: The column-parallel modules that are a vocabulary: the engines pad it before splitting it
+#: (``NodeLayout.vocab_padding``), so a rank's rows start at a multiple of the padded share.
+VOCAB = ("embed_tokens", "lm_head", "wte")
+#: What vLLM and SGLang pad a vocabulary to a multiple of (their ``DEFAULT_VOCAB_PADDING_SIZE``).
+VOCAB_PADDING = 64
 
 #: ``...experts.7.w1.weight``: the expert a tensor belongs to (not ``shared_experts.``).
 _EXPERT_RE = re.compile(r"(?:^|\.)experts\.(\d+)\.")
@@ -68,13 +75,18 @@ def coalesce(spans: Iterable[tuple[int, int]], gap: int) -> tuple[tuple[int, int
 
 def split_dim(name: str, ndim: int) -> int | None:
     """The dim tensor parallelism splits a checkpoint tensor along, by its module's name (None: whole)."""
-    parts = name.split(".")
-    module = parts[-2] if len(parts) >= 2 else parts[0]
+    module = _module(name)
     if module in COLUMN:
         return 0
-    if module in ROW and parts[-1] == "weight" and ndim == 2:
+    if module in ROW and name.rsplit(".", 1)[-1] == "weight" and ndim == 2:
         return 1
     return None
+
+
+def _module(name: str) -> str:
+    """``model.layers.0.self_attn.q_proj.weight`` -> ``q_proj``."""
+    parts = name.split(".")
+    return parts[-2] if len(parts) >= 2 else parts[0]
 
 
 def expert_of(name: str) -> int | None:
@@ -111,6 +123,8 @@ class NodeLayout:
     experts_total: int = 0
     #: The head is tied to the input embeddings (no head tensor of its own): the last stage reads them.
     tied_embeddings: bool = False
+    #: The multiple the engine pads a vocabulary to before splitting it among tensor-parallel ranks.
+    vocab_padding: int = VOCAB_PADDING
 
     def describe(self) -> str:
         """What the node's ranks hold, for the early-reads log line."""
@@ -203,7 +217,8 @@ def _rank_part(name: str, info: TensorInfo, rank: RankHolding, layout: NodeLayou
         return ((info.start, info.end),)
     rows = info.shape[0]
     row_bytes = info.nbytes // max(rows, 1)
-    block = ceil_div(rows, rank.tp_size)
+    padding = layout.vocab_padding if _module(name) in VOCAB else 1
+    block = ceil_div(ceil_div(rows, padding) * padding, rank.tp_size)
     first = min(rows, rank.tp_rank * block)
     last = min(rows, first + block)
     return ((info.start + first * row_bytes, info.start + last * row_bytes),)

@@ -150,7 +150,7 @@ class _Load:
         uses = coverage.uses(probe.placements, infos) if grouped else None
         planning = time.perf_counter()
         reads = plan_reads(probe, infos, ckpt.strided_min_skip)
-        own_cached = ckpt.cached_share({req.name for req in [*reads.targets, *reads.slabs]})
+        own_cached = ckpt.cached_share([*reads.targets, *reads.slabs])
         reading = time.perf_counter()
         readiness = _Readiness(probe.placements, self.listener) if self.listener is not None else None
         hooks = _RankHooks(reads, readiness)
@@ -174,7 +174,7 @@ class _Outcome:
     summary: str
     paths: Mapping[str, int]
     stats: LoadStats
-    #: The share of the tensors the plan reads in the page cache as the reads began (planned path).
+    #: The share of the bytes the plan reads in the page cache as the reads began (planned path).
     own_cached: float | None = None
 
 

@@ -46,10 +46,18 @@ def cached_share(fd: int, start: int, end: int, samples: int = policy.PAGE_SAMPL
     A sample, not every page: the probe runs on the loading thread, once per chunk."""
     if end <= start:
         return 1.0
+    return share_cached(fd, [start + (end - 1 - start) * i // (samples - 1) for i in range(samples)])
+
+
+def share_cached(fd: int, offsets: Sequence[int]) -> float | None:
+    """The share of the pages holding ``offsets`` that are in the page cache (1.0: no offsets);
+    None where ``mincore`` cannot be asked truthfully."""
+    if not offsets:
+        return 1.0
     if not _may_ask_mincore(fd):
         return None
-    found = _mincore(fd, [start + (end - 1 - start) * i // (samples - 1) for i in range(samples)])
-    return None if found is None else sum(found) / samples
+    found = _mincore(fd, offsets)
+    return None if found is None else sum(found) / len(offsets)
 
 
 def _may_ask_mincore(fd: int) -> bool:

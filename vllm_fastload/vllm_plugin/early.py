@@ -83,7 +83,14 @@ def _node_layout(vllm_config: Any) -> NodeLayout:
                                  tp_rank=tp_rank, tp_size=tp, experts=held))
     tied = bool(getattr(model_config.hf_text_config, "tie_word_embeddings", False))
     return NodeLayout(node=node, nodes=_nodes(parallel), ranks=tuple(ranks), layers_total=layers,
-                      experts_total=experts, tied_embeddings=tied)
+                      experts_total=experts, tied_embeddings=tied, vocab_padding=_vocab_padding())
+
+
+def _vocab_padding() -> int:
+    """What vLLM pads a vocabulary to a multiple of before splitting it among tensor-parallel ranks."""
+    from vllm.model_executor.layers import vocab_parallel_embedding
+
+    return int(vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE)
 
 
 def _experts(parallel: Any, experts: int, ep_size: int, ep_rank: int) -> frozenset[int] | None:
