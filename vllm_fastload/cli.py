@@ -204,6 +204,10 @@ def _add_bench(sub: Any) -> None:
                         "nodes-default, nodes-prefetch, nodes-early, nodes-cached)")
     p.add_argument("--layout", default="pp", choices=["pp", "tp"],
                    help="with --nodes 2: pp (two pipeline stages, one per node) or tp (TP=2 over the two nodes)")
+    p.add_argument("--machine", default="quiet", metavar="STATE",
+                   help="what else runs during each start: quiet; busy (one spinning process per CPU beside it); "
+                        "quota or quota=N (the start in a cgroup with a CPU quota of 1.5, or N, CPUs); "
+                        "the vLLM benchmark on one node")
     p.add_argument("--release-memory", type=float, default=0, metavar="GIB",
                    help="first touch and free this much memory and wait a minute, so that fresh memory is slow "
                         "to touch as on a freshly started VM (free page reporting)")

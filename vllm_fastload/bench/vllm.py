@@ -34,6 +34,7 @@ from typing import Any
 
 import vllm_fastload
 from vllm_fastload.bench.cache import evict, warm
+from vllm_fastload.bench.contention import MachineLoad
 from vllm_fastload.bench.loaders import LOADERS, RENAMED, check_known, runs_on, why_not
 from vllm_fastload.bench.logs import root_cause
 from vllm_fastload.bench.machine import MachineState, release_memory
@@ -70,7 +71,9 @@ def start_command(model: str, name: str, tp: int, kwargs: Mapping[str, Any] | No
             json.dumps({**loader.vllm_args, **(kwargs or {})})]
 
 
-def run_once(model: str, loader: str, tp: int, work: Path, cache: str = "", env_extra: dict | None = None) -> dict:
+def run_once(model: str, loader: str, tp: int, work: Path, cache: str = "", env_extra: dict | None = None,
+             prefix: tuple[str, ...] = ()) -> dict:
+    """One vLLM start of ``loader`` (its command behind ``prefix``: a ``MachineLoad``'s), timed."""
     probe_dir = Path(tempfile.mkdtemp(dir=work))
     env = timed_env(vllm_env(tp, FASTLOAD_PROGRESS="false", FASTLOAD_DEV_BENCH_CACHE=cache, **(env_extra or {})),
                     probe_dir)
@@ -78,8 +81,8 @@ def run_once(model: str, loader: str, tp: int, work: Path, cache: str = "", env_
     started = time.time()
     try:
         with log.open("wb") as f:
-            proc = subprocess.run(start_command(model, loader, tp), stdout=f, stderr=subprocess.STDOUT, env=env,
-                                  timeout=900)
+            proc = subprocess.run([*prefix, *start_command(model, loader, tp)], stdout=f, stderr=subprocess.STDOUT,
+                                  env=env, timeout=900)
     finally:
         remove_logged_cpu_shm(log)
     return records(probe_dir, started, tp, proc.returncode, [log])
@@ -101,8 +104,9 @@ def records(probe: Path, started: float, ranks: int, returncode: int, logs: list
     return {"ranks": found, "ready_s": json.loads(ready.read_text())["ready_at"] - started}
 
 
-def _start_s3(model: str, env: dict[str, str], *, name: str, tp: int, work: Path, cache: str) -> dict:
-    return run_once(model, name, tp, work, cache, env)
+def _start_s3(model: str, env: dict[str, str], *, name: str, tp: int, work: Path, cache: str,
+              prefix: tuple[str, ...]) -> dict:
+    return run_once(model, name, tp, work, cache, env, prefix)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -205,14 +209,15 @@ class Source:
     #: loaders are given the id).
     hub: Any = None
 
-    def start(self, name: str, tp: int, work: Path, cache: str) -> dict:
-        """One vLLM start of loader ``name``."""
+    def start(self, name: str, tp: int, work: Path, cache: str, prefix: tuple[str, ...] = ()) -> dict:
+        """One vLLM start of loader ``name`` (behind ``prefix``, see ``run_once``)."""
         if self.hub is not None:
             return run_once(self.hub.repo_id if LOADERS[name].hub_id else self.model, name, tp, work, cache,
-                            self.hub.env)
+                            self.hub.env, prefix)
         if self.s3 is not None:
-            return self.s3.run(name, tp, functools.partial(_start_s3, name=name, tp=tp, work=work, cache=cache))
-        return run_once(self.model, name, tp, work, cache)
+            return self.s3.run(name, tp, functools.partial(_start_s3, name=name, tp=tp, work=work, cache=cache,
+                                                           prefix=prefix))
+        return run_once(self.model, name, tp, work, cache, prefix=prefix)
 
     def sample_limit(self, state: MachineState) -> float:
         """What the storage serves cold: the object store's limit, or the disk's (the mount's) read rate."""
@@ -237,6 +242,8 @@ def run_bench(args: argparse.Namespace, model: str, source: str, wanted_targets:
     fstype = filesystem_type(files[0]) if files else "s3rver" if s3 is not None else ""
     print(f"checkpoint {model} ({fstype or 'unknown filesystem'}): {where.total / 1e9:.2f} GB; loaders {names}; "
           f"skipped {skipped}")
+    load = MachineLoad.parse(getattr(args, "machine", None) or "quiet")
+    print(f"  machine: {load.describe()}", flush=True)
     state = MachineState()
     limit = where.sample_limit(state)
     if s3 is not None:
@@ -251,17 +258,19 @@ def run_bench(args: argparse.Namespace, model: str, source: str, wanted_targets:
     work = Path(args.out) / "vllm-runs"
     work.mkdir(parents=True, exist_ok=True)
     results, stopped_early = _repetitions(where, names, tps, caches, args.repeats, work, state,
-                                          time.monotonic() + args.time_limit)
+                                          time.monotonic() + args.time_limit, load)
     where.sample_limit(state)
     verdicts = _report_run(where, results, state, wanted_targets, Path(args.out),
-                           {"filesystem": fstype, "skipped": skipped, "stopped_early": stopped_early})
+                           {"filesystem": fstype, "skipped": skipped, "stopped_early": stopped_early,
+                            "machine": load})
     return 0 if all_met(verdicts) else 1
 
 
 def _repetitions(where: Source, names: list[str], tps: list[int], caches: list[str], repeats: int, work: Path,
-                 state: MachineState, deadline: float) -> tuple[dict[str, list[dict]], bool]:
-    """Every (TP, cache): ``repeats`` interleaved repetitions of every loader, until ``deadline``;
-    the starts' results by ``tpN|cache|loader``, and whether the deadline cut them short."""
+                 state: MachineState, deadline: float, load: MachineLoad) -> tuple[dict[str, list[dict]], bool]:
+    """Every (TP, cache): ``repeats`` interleaved repetitions of every loader, until ``deadline``,
+    each start in machine state ``load``; the starts' results by ``tpN|cache|loader``, and whether
+    the deadline cut them short."""
     results: dict[str, list[dict]] = {}
     stopped_early = False
     for tp in tps:
@@ -281,7 +290,11 @@ def _repetitions(where: Source, names: list[str], tps: list[int], caches: list[s
                         evict(where.files + where.server_files)
                     else:
                         warm(where.files)  # a cold row may have evicted them
-                    res = where.start(name, tp, work, cache)
+                    with load.around() as contention:
+                        res = where.start(name, tp, work, cache, contention.prefix)
+                        throttled = contention.throttled_s()
+                    if throttled is not None:
+                        res["throttled_s"] = throttled
                     results.setdefault(f"tp{tp}|{cache}|{name}", []).append(res)
                     _print_start(f"  tp={tp} {cache:<4} rep {rep + 1}", name, res)
     return results, stopped_early
@@ -293,7 +306,9 @@ def _print_start(head: str, name: str, res: dict) -> None:
         return
     secs = ", ".join(f"{r['seconds']:.2f}" for r in res["ranks"])
     served = res.get("served_per_rank")
-    print(f"{head} {name:<20} load_weights per rank {secs} s"
+    throttled = f"; held back by the quota {res['throttled_s']:.1f} s" if "throttled_s" in res else ""
+    ready = f"; ready {res['ready_s']:.1f} s" if "ready_s" in res else ""
+    print(f"{head} {name:<20} load_weights per rank {secs} s{ready}{throttled}"
           + (f" (incl. download {res['download_seconds']:.2f} s)" if "download_seconds" in res else "")
           + (f"; served per rank {', '.join(f'{b / 1e9:.3f}' for b in served)} GB" if served else ""), flush=True)
 
@@ -302,23 +317,31 @@ def _report_run(where: Source, results: dict[str, list[dict]], state: MachineSta
                 out: Path, facts: dict) -> list[dict]:
     """Print the tables and verdicts, write the JSON document and the chart; the verdicts."""
     rows = summarize(results, where.total)
+    load: MachineLoad = facts["machine"]
     print()
     print(state.summary())
+    print(f"machine: {load.describe()}")
     if where.s3 is not None:
         print(where.s3.summary())
         for row in rows:
             row["server_limit_gbps"] = statistics.median(where.s3.limits)
     print_table(rows)
+    for row in rows:
+        if "throttled_median" in row:
+            print(f"  {row['tp']} {row['cache']} {row['loader']}: held back by the quota "
+                  f"{row['throttled_median']:.1f} s ({row['throttled_min']:.1f}-{row['throttled_max']:.1f}), "
+                  f"ready {row.get('ready_median', 0):.1f} s")
     bounds = {"disk_gbps": statistics.median(state.disk) if state.disk else None,
               "page_share_tp2": page_rounded_share(where.model, 2) if where.name == "local" else None}
     verdicts = check_targets(rows, wanted, bounds)
     print_verdicts(verdicts)
     stem = "bench-vllm" if where.name == "local" else f"bench-vllm-{where.name}"
+    stem += "" if load.kind == "quiet" else f"-{load.name.replace('=', '')}"
     (out / f"{stem}.json").write_text(json.dumps({
         "source": where.name, "filesystem": facts["filesystem"], "checkpoint_bytes": where.total,
         "server_limit_gbps": where.s3.limits if where.s3 is not None else None, "rows": rows, "raw": results,
         "machine": state.as_dict(), "targets": verdicts, "bounds": bounds, "skipped": facts["skipped"],
-        "stopped_early": facts["stopped_early"]}, indent=2))
+        "stopped_early": facts["stopped_early"], "machine_load": load.name}, indent=2))
     chart(rows, out / f"{stem}.png",
           title=f"vLLM load_weights by loader, checkpoint on {facts['filesystem'] or where.name}")
     print(f"wrote {out / f'{stem}.json'} and {out / f'{stem}.png'}"
@@ -372,7 +395,8 @@ def _times(ok: list[dict]) -> dict:
             "seconds_max": max(per_rank_max),
             **_medians("load_model_s", [max(r.get("load_model_s", 0.0) for r in run["ranks"]) for run in ok]),
             **_medians("post_s", [max(r.get("post_s", 0.0) for r in run["ranks"]) for run in ok]),
-            **_medians("ready_s", [run["ready_s"] for run in ok if "ready_s" in run])}
+            **_medians("ready_s", [run["ready_s"] for run in ok if "ready_s" in run]),
+            **_medians("throttled_s", [run["throttled_s"] for run in ok if "throttled_s" in run])}
 
 
 def _per_rank(ok: list[dict]) -> dict:
