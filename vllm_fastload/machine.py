@@ -26,11 +26,14 @@ real path, the rule the kernel itself uses); no system call that could hang on a
 made.
 
 **CPUs.** vLLM-CPU binds each worker to its own cores: what the calling thread may use is what
-counts, not the machine's count.
+counts, not the machine's count; and a CPU quota (a Kubernetes CPU limit: cgroup v1
+``cpu.cfs_quota_us``, v2 ``cpu.max``, on the process's group or an ancestor) gives its processes
+time for no more CPUs than it says, however many they may run on.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -98,9 +101,9 @@ def _machine(proc: str) -> MemoryLimit:
     return MemoryLimit("machine", "", meminfo("MemTotal", proc), meminfo("MemAvailable", proc))
 
 
-def _cgroup_mounts(mountinfo: str) -> list[tuple[str, str, int]]:
-    """``(root, mount point, version)`` of the memory cgroup mounts: v1 hierarchies with the
-    memory controller, and cgroup2 (whose controllers are checked per group: ``memory.max``)."""
+def _cgroup_mounts(mountinfo: str, controller: str = "memory") -> list[tuple[str, str, int]]:
+    """``(root, mount point, version)`` of the cgroup mounts of ``controller``: v1 hierarchies with
+    it, and cgroup2 (whose controllers are checked per group: ``memory.max``, ``cpu.max``)."""
     mounts = []
     try:
         with open(mountinfo) as f:
@@ -116,7 +119,7 @@ def _cgroup_mounts(mountinfo: str) -> list[tuple[str, str, int]]:
         root, point = _unescape(fields[3]), _unescape(fields[4])
         if fstype == "cgroup2":
             mounts.append((root, point, 2))
-        elif fstype == "cgroup" and "memory" in super_options:
+        elif fstype == "cgroup" and controller in super_options:
             mounts.append((root, point, 1))
     return mounts
 
@@ -126,8 +129,8 @@ def _unescape(field: str) -> str:
     return field.encode().decode("unicode_escape") if "\\" in field else field
 
 
-def _cgroup_paths(cgroup: str) -> dict[str, str]:
-    """The process's cgroup path per hierarchy: "v2" for the unified one, "memory" for v1's."""
+def _cgroup_paths(cgroup: str, controller: str = "memory") -> dict[str, str]:
+    """The process's cgroup path per hierarchy: "v2" for the unified one, ``controller`` for v1's."""
     paths = {}
     try:
         with open(cgroup) as f:
@@ -141,8 +144,8 @@ def _cgroup_paths(cgroup: str) -> dict[str, str]:
         _, controllers, path = parts
         if controllers == "":
             paths["v2"] = path
-        elif "memory" in controllers.split(","):
-            paths["memory"] = path
+        elif controller in controllers.split(","):
+            paths[controller] = path
     return paths
 
 
@@ -244,12 +247,62 @@ def is_network(fstype: str) -> bool:
     return fstype in NETWORK or fstype.startswith("nfs")
 
 
-def usable_cpus() -> int:
-    """CPUs the calling thread may run on."""
+@dataclass(frozen=True)
+class CpuQuota:
+    """A cgroup's CPU quota: at most ``cpus`` CPUs' worth of time for its processes together."""
+
+    #: "cgroup v1" or "cgroup v2".
+    kind: str
+    #: The cgroup's path as ``/proc/self/cgroup`` spells it.
+    where: str
+    cpus: float
+
+    def describe(self) -> str:
+        """E.g. "cgroup v2 CPU quota of 1.50 CPUs at /kubepods/pod7"."""
+        return f"{self.kind} CPU quota of {self.cpus:.2f} CPUs at {self.where}"
+
+
+def cpu_quota(root: str = "/") -> CpuQuota | None:
+    """The lowest CPU quota over this process (its group's or an ancestor's: cgroup v1
+    ``cpu.cfs_quota_us`` per ``cpu.cfs_period_us``, v2 ``cpu.max``); None where none is set
+    (``root``: as for ``memory_limits``)."""
+    proc = os.path.join(root, "proc")
+    paths = _cgroup_paths(os.path.join(proc, "self", "cgroup"), "cpu")
+    quotas = []
+    for mount_root, mount_point, version in _cgroup_mounts(os.path.join(proc, "self", "mountinfo"), "cpu"):
+        path = paths.get("v2" if version == 2 else "cpu")
+        if path is None:
+            continue
+        for directory, shown in _levels(os.path.join(root, mount_point.lstrip("/")), mount_root, path):
+            cpus = _v2_quota(directory) if version == 2 else _v1_quota(directory)
+            if cpus is not None:
+                quotas.append(CpuQuota(f"cgroup v{version}", shown, cpus))
+    return min(quotas, key=lambda q: q.cpus, default=None)
+
+
+def _v1_quota(directory: str) -> float | None:
+    quota, period = _read_int(directory, "cpu.cfs_quota_us"), _read_int(directory, "cpu.cfs_period_us")
+    return quota / period if quota is not None and period else None  # (-1, no quota, is not a number here)
+
+
+def _v2_quota(directory: str) -> float | None:
     try:
-        return len(os.sched_getaffinity(0))
+        with open(os.path.join(directory, "cpu.max")) as f:
+            quota, _, period = f.read().strip().partition(" ")
+    except OSError:
+        return None
+    return int(quota) / int(period) if quota.isdigit() and period.isdigit() and int(period) else None
+
+
+def usable_cpus() -> int:
+    """CPUs the calling thread may run on, and no more than a CPU quota over it gives time for
+    (rounded up: 1.5 CPUs' worth of time keeps two threads running part of the time)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return os.cpu_count() or 2
+        cpus = os.cpu_count() or 2
+    quota = cpu_quota()
+    return cpus if quota is None else max(1, min(cpus, math.ceil(quota.cpus)))
 
 
 def cpu_count(cpus: Sequence[int] | None) -> int:

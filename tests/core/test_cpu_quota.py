@@ -1,0 +1,73 @@
+"""CPU quotas over the process (``machine.cpu_quota``) and the CPUs it counts for
+(``machine.usable_cpus``): in a real cgroup v1 cpu group made here, and cgroup v2 over a directory
+laid out as cgroupfs and /proc are (``root=``; the unified hierarchy here has no cpu controller),
+each said so in its name."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm_fastload.bench.contention import MachineLoad
+from vllm_fastload.machine import CpuQuota, cpu_quota
+
+from .test_bench_contention import _quota_reason
+
+MOUNTS_V2 = "30 23 0:26 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n"
+MOUNTS_V1 = "31 23 0:27 / /sys/fs/cgroup/cpu,cpuacct rw - cgroup cgroup rw,cpu,cpuacct\n"
+
+
+def _layout(root: Path, *, cgroup: str, mountinfo: str, files: dict[str, str]) -> str:
+    (root / "proc/self").mkdir(parents=True)
+    (root / "proc/self/cgroup").write_text(cgroup)
+    (root / "proc/self/mountinfo").write_text(mountinfo)
+    for path, text in files.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(text)
+    return str(root)
+
+
+def test_cgroupfs_layout_v2_the_lowest_quota_of_the_group_and_its_ancestors(tmp_path: Path):
+    pod = "sys/fs/cgroup/kubepods/pod7"
+    root = _layout(tmp_path, cgroup="0::/kubepods/pod7/ctr\n", mountinfo=MOUNTS_V2,
+                   files={f"{pod}/cpu.max": "250000 100000\n", f"{pod}/ctr/cpu.max": "max 100000\n",
+                          "sys/fs/cgroup/kubepods/cpu.max": "800000 100000\n"})
+    assert cpu_quota(root) == CpuQuota("cgroup v2", "/kubepods/pod7", 2.5)
+    assert cpu_quota(root).describe() == "cgroup v2 CPU quota of 2.50 CPUs at /kubepods/pod7"
+
+
+def test_cgroupfs_layout_v2_and_v1_without_a_quota(tmp_path: Path):
+    v2 = _layout(tmp_path / "a", cgroup="0::/\n", mountinfo=MOUNTS_V2, files={"sys/fs/cgroup/cpu.max": "max 100000\n"})
+    v1 = _layout(tmp_path / "b", cgroup="3:cpu,cpuacct:/job\n", mountinfo=MOUNTS_V1,
+                 files={"sys/fs/cgroup/cpu,cpuacct/job/cpu.cfs_quota_us": "-1\n",
+                        "sys/fs/cgroup/cpu,cpuacct/job/cpu.cfs_period_us": "100000\n"})
+    assert cpu_quota(v2) is None and cpu_quota(v1) is None
+
+
+def test_cgroupfs_layout_v1_a_quota_on_the_group(tmp_path: Path):
+    root = _layout(tmp_path, cgroup="3:cpu,cpuacct:/docker/abc\n", mountinfo=MOUNTS_V1,
+                   files={"sys/fs/cgroup/cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "75000\n",
+                          "sys/fs/cgroup/cpu,cpuacct/docker/abc/cpu.cfs_period_us": "50000\n"})
+    assert cpu_quota(root) == CpuQuota("cgroup v1", "/docker/abc", 1.5)
+
+
+PROBE = "from vllm_fastload import machine; import json; q = machine.cpu_quota(); " \
+        "print(json.dumps([q and q.cpus, q and q.kind, machine.usable_cpus()]))"
+
+
+@pytest.mark.skipif(_quota_reason() is not None, reason=str(_quota_reason()))
+@pytest.mark.parametrize(("cpus", "usable"), [(1.5, 2), (0.5, 1)])
+def test_a_process_in_a_real_quota_group_counts_the_cpus_it_gives(cpus: float, usable: int):
+    """A process started in a cgroup with a quota (made as ``bench --machine quota`` makes it)
+    finds the quota and counts the CPUs it gives time for, rounded up, no more than it may run on."""
+    with MachineLoad("quota", cpus).around() as state:
+        out = subprocess.run([*state.prefix, sys.executable, "-c", PROBE], capture_output=True, text=True,
+                             check=True, timeout=60).stdout
+    found, kind, counted = json.loads(out)
+    assert found == pytest.approx(cpus) and kind.startswith("cgroup v")
+    assert counted == min(usable, len(os.sched_getaffinity(0)))
