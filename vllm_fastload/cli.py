@@ -207,7 +207,7 @@ def _add_bench(sub: Any) -> None:
     p.add_argument("--machine", default="quiet", metavar="STATE",
                    help="what else runs during each start: quiet; busy (one spinning process per CPU beside it); "
                         "quota or quota=N (the start in a cgroup with a CPU quota of 1.5, or N, CPUs); "
-                        "the vLLM benchmark on one node")
+                        "the vLLM benchmark on one node and --engine sglang")
     p.add_argument("--release-memory", type=float, default=0, metavar="GIB",
                    help="first touch and free this much memory and wait a minute, so that fresh memory is slow "
                         "to touch as on a freshly started VM (free page reporting)")

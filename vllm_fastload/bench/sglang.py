@@ -18,6 +18,7 @@ shows why.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -26,6 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from vllm_fastload.bench.cache import evict, warm
+from vllm_fastload.bench.contention import MachineLoad
 from vllm_fastload.bench.loaders import LOADERS, check_known
 from vllm_fastload.bench.logs import root_cause
 from vllm_fastload.bench.machine import MachineState
@@ -67,14 +69,18 @@ class Start:
     read_share: tuple[float, ...] = ()
     #: GB of the checkpoint fastload's early reads had read as the load began (None: no early reads).
     early_gb: float | None = None
+    #: Seconds a CPU quota held the start back (``--machine quota``; None: no quota).
+    throttled_s: float | None = None
     error: str | None = None
 
 
-def start_once(model: str, loader: str, tp: int, log: Path) -> Start:
-    """Start SGLang with ``loader`` on ``model`` at ``tp``, stop it once ready; its numbers."""
+def start_once(model: str, loader: str, tp: int, log: Path, prefix: tuple[str, ...] = ()) -> Start:
+    """Start SGLang with ``loader`` on ``model`` at ``tp`` (its command behind ``prefix``, a
+    ``MachineLoad``'s), stop it once ready; its numbers."""
     env = sglang_env(tp, FASTLOAD_PROGRESS="false")
     server = SglangServer(model, [*(LOADERS[loader].sglang_args or ()), *SMALL_MODEL_FLAGS], tp=tp, log_path=log,
                           env=env, startup_timeout=900)
+    server.cmd = [*prefix, *server.cmd]
     try:
         server.start()
     except (ServerExited, TimeoutError):
@@ -89,9 +95,10 @@ def start_once(model: str, loader: str, tp: int, log: Path) -> Start:
 
 
 def run(model: str, tps: list[int], caches: list[str], repeats: int, loaders: list[str], work: Path,
-        deadline: float, state: MachineState) -> dict[str, list[Start]]:
-    """Every (TP, cache): ``repeats`` interleaved repetitions of every loader; key ``tp|cache|loader``.
-    The speed of fresh memory is sampled before each repetition (every load fills fresh memory)."""
+        deadline: float, state: MachineState, load: MachineLoad) -> dict[str, list[Start]]:
+    """Every (TP, cache): ``repeats`` interleaved repetitions of every loader, each start in machine
+    state ``load``; key ``tp|cache|loader``. The speed of fresh memory is sampled before each
+    repetition (every load fills fresh memory)."""
     files = sorted(str(p) for p in Path(model).glob("*.safetensors"))
     results: dict[str, list[Start]] = {}
     for tp in tps:
@@ -112,7 +119,10 @@ def run(model: str, tps: list[int], caches: list[str], repeats: int, loaders: li
                         evict(files)
                     else:
                         warm(files)
-                    result = start_once(model, name, tp, work / f"{name}-tp{tp}-{cache}-{rep}.log")
+                    with load.around() as contention:
+                        result = start_once(model, name, tp, work / f"{name}-tp{tp}-{cache}-{rep}.log",
+                                            contention.prefix)
+                        result = dataclasses.replace(result, throttled_s=contention.throttled_s())
                     results.setdefault(key, []).append(result)
                     if result.error is not None:
                         failed[name] = result.error
@@ -123,7 +133,9 @@ def run(model: str, tps: list[int], caches: list[str], repeats: int, loaders: li
                     print(f"  tp={tp} {cache:<4} rep {rep + 1} {name:<16} weight load {result.load_s:.2f} s, "
                           f"ready {result.ready_s:.1f} s" + (f", read share {share}" if share else "")
                           + (f", early reads {result.early_gb:.2f} GB as the load began"
-                             if result.early_gb is not None else ""), flush=True)
+                             if result.early_gb is not None else "")
+                          + (f", held back by the quota {result.throttled_s:.1f} s"
+                             if result.throttled_s is not None else ""), flush=True)
     return results
 
 
@@ -139,9 +151,11 @@ def summarize(results: dict[str, list[Start]]) -> list[dict]:
         load = [s.load_s for s in ok if s.load_s is not None]
         ready = [s.ready_s for s in ok if s.ready_s is not None]
         early = [s.early_gb for s in ok if s.early_gb is not None]
+        throttled = [s.throttled_s for s in ok if s.throttled_s is not None]
         rows.append({**row, "load_s": load, "load_median": statistics.median(load), "ready_s": ready,
                      "ready_median": statistics.median(ready), "read_share": list(ok[-1].read_share),
-                     "early_gb_median": statistics.median(early) if early else None})
+                     "early_gb_median": statistics.median(early) if early else None,
+                     "throttled_median": statistics.median(throttled) if throttled else None})
     return rows
 
 
@@ -226,21 +240,25 @@ def main(args: argparse.Namespace) -> int:
     total = sum(os.path.getsize(f) for f in files)
     print(f"bench --engine sglang: {model} ({total / 1e9:.2f} GB), SGLang {sglang.__version__}, server starts, "
           f"TP {tps}, {caches}, loaders {loaders}, {args.repeats} interleaved repetition(s)", flush=True)
+    load = MachineLoad.parse(getattr(args, "machine", None) or "quiet")
+    print(f"  machine: {load.describe()}", flush=True)
     state = MachineState()
     print(f"  disk: {state.sample_disk(files):.2f} GB/s cold sequential read", flush=True)
-    results = run(model, tps, caches, args.repeats, loaders, work, time.monotonic() + args.time_limit, state)
+    results = run(model, tps, caches, args.repeats, loaders, work, time.monotonic() + args.time_limit, state, load)
     state.sample_disk(files)
     rows = summarize(results)
     print()
     print(state.summary())
+    print(f"machine: {load.describe()}")
     print("weight load: SGLang's 'Load weight end. elapsed' of the slowest rank; ready: the process's start to "
           "/health answering; medians (min-max)")
     print(table(rows))
     checks = verdicts(rows, tps, wanted)
     print_verdicts(checks)
-    out = Path(args.out) / "bench-sglang.json"
+    out = Path(args.out) / ("bench-sglang.json" if load.kind == "quiet" else
+                            f"bench-sglang-{load.name.replace('=', '')}.json")
     out.write_text(json.dumps({"model": model, "checkpoint_bytes": total, "sglang": sglang.__version__,
-                               "rows": rows, "targets": checks, "machine": state.as_dict(),
+                               "machine_load": load.name, "rows": rows, "targets": checks, "machine": state.as_dict(),
                                "raw": {k: [asdict(s) for s in v] for k, v in results.items()}}, indent=1))
     print(f"wrote {out}; the servers' logs are in {work}")
     return 0 if wanted is None or all_met(checks) else 1
