@@ -1,4 +1,5 @@
-"""What else the machine does while a start is measured (``vllm-fastload bench --machine``).
+"""What else the machine does while a start is measured (``vllm-fastload bench --machine``), and
+the memory the start takes.
 
 Early reads win on CPU time the engine's start-up leaves idle; these states take it away, as
 users' nodes do: ``quiet`` (nothing else), ``busy`` (a CPU-bound job beside the start: one
@@ -6,6 +7,10 @@ spinning process per CPU it may run on, at normal priority) and ``quota`` (the s
 whose CPU quota is 1.5 CPUs, or ``quota=N``: what a Kubernetes CPU limit sets; an idle-priority
 process in the group spends the quota too). Each start gets the state afresh, so that the loaders
 of one repetition meet the same machine.
+
+Every start also runs in a memory cgroup of its own, without a limit, whose peak is what the
+start held at its highest: its processes' memory and the page cache they read in (what a
+container's memory limit counts), where cgroups can be made here.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from vllm_fastload import machine
 
 #: The CFS period a quota is set in (the kernel's default).
 PERIOD_US = 100_000
-_V1 = Path("/sys/fs/cgroup/cpu")
+_V1 = Path("/sys/fs/cgroup")
 _count = itertools.count()
 
 
@@ -69,32 +74,121 @@ class MachineLoad:
     @contextlib.contextmanager
     def around(self) -> Iterator[Contention]:
         """The state around one start: a ``Contention`` whose ``prefix`` the start's command runs
-        behind (a quota's group is entered by it) and which counts what the group was throttled."""
-        if self.kind == "busy":
-            with _spinners(machine.usable_cpus()):
-                yield Contention()
-        elif self.kind == "quota":
-            with _quota_group(self.cpus) as group:
-                yield group
-        else:
-            yield Contention()
+        behind (it enters the start's groups) and which reads what the groups counted."""
+        with contextlib.ExitStack() as stack:
+            if self.kind == "busy":
+                stack.enter_context(_spinners(machine.usable_cpus()))
+            cpu = stack.enter_context(_Group.made("cpu", {"cpu.cfs_period_us": str(PERIOD_US),
+                                                          "cpu.cfs_quota_us": str(int(self.cpus * PERIOD_US))},
+                                                  {"cpu.max": f"{int(self.cpus * PERIOD_US)} {PERIOD_US}"})
+                                      ) if self.kind == "quota" else None
+            memory = None
+            if _Group.possible("memory"):
+                with contextlib.suppress(OSError):  # (memory is measured where it can be, never required)
+                    memory = stack.enter_context(_Group.made("memory", {}, {}))
+            groups = [g for g in (cpu, memory) if g is not None]
+            # The start's first process enters its groups before it execs, so that all it starts is inside.
+            prefix = ("sh", "-c", 'for g in $0; do echo $$ > "$g" || exit 1; done; exec "$@"',
+                      " ".join(str(g.procs) for g in groups)) if groups else ()
+            yield Contention(prefix=prefix, cpu=cpu, memory=memory)
 
 
 @dataclass(frozen=True)
 class Contention:
-    """One start's state: the command prefix that enters it, and (a quota) the group's ``cpu.stat``."""
+    """One start's state: the command prefix that enters its groups, and the groups."""
 
     prefix: tuple[str, ...] = ()
-    group: Path | None = None
+    cpu: _Group | None = None
+    memory: _Group | None = None
 
     def throttled_s(self) -> float | None:
-        """Seconds the group's processes were held back by the quota (None: no quota)."""
-        if self.group is None:
+        """Seconds the start's processes were held back by the quota (None: no quota)."""
+        if self.cpu is None:
             return None
-        stat = _cpu_stat(self.group)
+        stat = self.cpu.stat("cpu.stat")
         if "throttled_usec" in stat:  # cgroup v2
             return stat["throttled_usec"] / 1e6
         return stat.get("throttled_time", 0) / 1e9
+
+    def memory_peak(self) -> int | None:
+        """The most memory the start's group held at once, page cache included (None: no group)."""
+        if self.memory is None:
+            return None
+        return self.memory.number("memory.max_usage_in_bytes" if self.memory.version == 1 else "memory.peak")
+
+
+@dataclass(frozen=True)
+class _Group:
+    """A cgroup made for one start, of one controller."""
+
+    path: Path
+    version: int
+
+    @property
+    def procs(self) -> Path:
+        return self.path / "cgroup.procs"
+
+    @staticmethod
+    def possible(controller: str) -> bool:
+        """Whether a group of ``controller`` can be made here (root, and a hierarchy that has it)."""
+        if os.geteuid() != 0:
+            return False
+        if (_V1 / controller).is_dir():
+            return True
+        unified = _V1 / "cgroup.controllers"
+        return unified.exists() and controller in unified.read_text().split()
+
+    @classmethod
+    @contextlib.contextmanager
+    def made(cls, controller: str, v1: dict[str, str], v2: dict[str, str]) -> Iterator[_Group]:
+        """A new group of ``controller`` below this process's own (v1; else below the unified
+        hierarchy's root, v2) with the files ``v1`` or ``v2`` written; removed afterwards, with
+        whatever still runs in it."""
+        name = f"fastload-bench-{os.getpid()}-{next(_count)}"
+        if (_V1 / controller).is_dir():
+            group, settings = cls(_V1 / controller / _own_v1_path(controller) / name, 1), v1
+        elif _Group.possible(controller):
+            subtree = _V1 / "cgroup.subtree_control"
+            if controller not in subtree.read_text().split():
+                subtree.write_text(f"+{controller}")
+            group, settings = cls(_V1 / name, 2), v2
+        else:
+            raise SystemExit(f"bench: cannot make a cgroup with the {controller} controller here (needs root and "
+                             f"a cgroup v1 {controller} hierarchy or the controller in cgroup v2)")
+        group.path.mkdir()
+        try:
+            for file, value in settings.items():
+                (group.path / file).write_text(value)
+            yield group
+        finally:
+            group._remove()
+
+    def stat(self, file: str) -> dict[str, int]:
+        """A ``key value`` file of the group as numbers."""
+        out = {}
+        for line in (self.path / file).read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if value.strip().isdigit():
+                out[key] = int(value)
+        return out
+
+    def number(self, file: str) -> int | None:
+        """A one-number file of the group (None: not there)."""
+        try:
+            return int((self.path / file).read_text().strip())
+        except (OSError, ValueError):
+            return None
+
+    def _remove(self) -> None:
+        for _ in range(50):
+            pids = [int(p) for p in self.procs.read_text().split()]
+            if not pids:
+                break
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.1)
+        self.path.rmdir()
 
 
 @contextlib.contextmanager
@@ -112,68 +206,10 @@ def _spinners(count: int) -> Iterator[None]:
             proc.wait()
 
 
-@contextlib.contextmanager
-def _quota_group(cpus: float) -> Iterator[Contention]:
-    """A new cgroup with a CPU quota of ``cpus`` (v1's ``cpu`` controller, else v2's ``cpu.max``
-    below the unified hierarchy's root), removed afterwards with whatever still runs in it."""
-    name = f"fastload-bench-{os.getpid()}-{next(_count)}"
-    quota = int(cpus * PERIOD_US)
-    if _V1.is_dir():
-        group = _V1 / _own_v1_path() / name
-        group.mkdir()
-        (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
-        (group / "cpu.cfs_quota_us").write_text(str(quota))
-    else:
-        root = _v2_root()
-        group = root / name
-        group.mkdir()
-        (group / "cpu.max").write_text(f"{quota} {PERIOD_US}")
-    procs = group / "cgroup.procs"
-    # The start's first process enters the group before it execs, so that all it starts is inside.
-    prefix = ("sh", "-c", 'echo $$ > "$0" && exec "$@"', str(procs))
-    try:
-        yield Contention(prefix=prefix, group=group)
-    finally:
-        for _ in range(50):
-            pids = [int(p) for p in procs.read_text().split()]
-            if not pids:
-                break
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            time.sleep(0.1)
-        group.rmdir()
-
-
-def _own_v1_path() -> str:
-    """This process's group in the v1 ``cpu`` hierarchy, relative to its root."""
+def _own_v1_path(controller: str) -> str:
+    """This process's group in the v1 hierarchy of ``controller``, relative to its root."""
     for line in Path("/proc/self/cgroup").read_text().splitlines():
         _, controllers, path = line.split(":", 2)
-        if "cpu" in controllers.split(","):
+        if controller in controllers.split(","):
             return path.lstrip("/")
     return ""
-
-
-def _v2_root() -> Path:
-    """The cgroup2 mount, where a child group can have a CPU quota; SystemExit saying why not."""
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        if " - cgroup2 " in line:
-            root = Path(line.split()[4])
-            if "cpu" in (root / "cgroup.subtree_control").read_text().split():
-                return root
-            try:
-                (root / "cgroup.subtree_control").write_text("+cpu")
-                return root
-            except OSError as exc:
-                raise SystemExit(f"--machine quota: cannot enable the cpu controller below {root} ({exc})") from None
-    raise SystemExit("--machine quota: no cgroup v1 cpu hierarchy at /sys/fs/cgroup/cpu and no cgroup2 mount")
-
-
-def _cpu_stat(group: Path) -> dict[str, int]:
-    """The group's ``cpu.stat`` as numbers."""
-    out = {}
-    for line in (group / "cpu.stat").read_text().splitlines():
-        key, _, value = line.partition(" ")
-        if value.strip().isdigit():
-            out[key] = int(value)
-    return out

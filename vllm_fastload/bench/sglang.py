@@ -71,6 +71,8 @@ class Start:
     early_gb: float | None = None
     #: Seconds a CPU quota held the start back (``--machine quota``; None: no quota).
     throttled_s: float | None = None
+    #: The most memory the start's cgroup held at once, page cache included (None: not measured).
+    group_peak: int | None = None
     error: str | None = None
 
 
@@ -122,7 +124,8 @@ def run(model: str, tps: list[int], caches: list[str], repeats: int, loaders: li
                     with load.around() as contention:
                         result = start_once(model, name, tp, work / f"{name}-tp{tp}-{cache}-{rep}.log",
                                             contention.prefix)
-                        result = dataclasses.replace(result, throttled_s=contention.throttled_s())
+                        result = dataclasses.replace(result, throttled_s=contention.throttled_s(),
+                                                     group_peak=contention.memory_peak())
                     results.setdefault(key, []).append(result)
                     if result.error is not None:
                         failed[name] = result.error
@@ -135,7 +138,9 @@ def run(model: str, tps: list[int], caches: list[str], repeats: int, loaders: li
                           + (f", early reads {result.early_gb:.2f} GB as the load began"
                              if result.early_gb is not None else "")
                           + (f", held back by the quota {result.throttled_s:.1f} s"
-                             if result.throttled_s is not None else ""), flush=True)
+                             if result.throttled_s is not None else "")
+                          + (f", group peak {result.group_peak / 2**30:.2f} GiB"
+                             if result.group_peak is not None else ""), flush=True)
     return results
 
 
@@ -152,10 +157,12 @@ def summarize(results: dict[str, list[Start]]) -> list[dict]:
         ready = [s.ready_s for s in ok if s.ready_s is not None]
         early = [s.early_gb for s in ok if s.early_gb is not None]
         throttled = [s.throttled_s for s in ok if s.throttled_s is not None]
+        peaks = [s.group_peak / 2**30 for s in ok if s.group_peak is not None]
         rows.append({**row, "load_s": load, "load_median": statistics.median(load), "ready_s": ready,
                      "ready_median": statistics.median(ready), "read_share": list(ok[-1].read_share),
                      "early_gb_median": statistics.median(early) if early else None,
-                     "throttled_median": statistics.median(throttled) if throttled else None})
+                     "throttled_median": statistics.median(throttled) if throttled else None,
+                     "group_peak_gib": peaks})
     return rows
 
 

@@ -292,9 +292,8 @@ def _repetitions(where: Source, names: list[str], tps: list[int], caches: list[s
                         warm(where.files)  # a cold row may have evicted them
                     with load.around() as contention:
                         res = where.start(name, tp, work, cache, contention.prefix)
-                        throttled = contention.throttled_s()
-                    if throttled is not None:
-                        res["throttled_s"] = throttled
+                        counted = {"throttled_s": contention.throttled_s(), "group_peak": contention.memory_peak()}
+                    res.update({k: v for k, v in counted.items() if v is not None})
                     results.setdefault(f"tp{tp}|{cache}|{name}", []).append(res)
                     _print_start(f"  tp={tp} {cache:<4} rep {rep + 1}", name, res)
     return results, stopped_early
@@ -326,11 +325,6 @@ def _report_run(where: Source, results: dict[str, list[dict]], state: MachineSta
         for row in rows:
             row["server_limit_gbps"] = statistics.median(where.s3.limits)
     print_table(rows)
-    for row in rows:
-        if "throttled_median" in row:
-            print(f"  {row['tp']} {row['cache']} {row['loader']}: held back by the quota "
-                  f"{row['throttled_median']:.1f} s ({row['throttled_min']:.1f}-{row['throttled_max']:.1f}), "
-                  f"ready {row.get('ready_median', 0):.1f} s")
     bounds = {"disk_gbps": statistics.median(state.disk) if state.disk else None,
               "page_share_tp2": page_rounded_share(where.model, 2) if where.name == "local" else None}
     verdicts = check_targets(rows, wanted, bounds)
@@ -396,7 +390,8 @@ def _times(ok: list[dict]) -> dict:
             **_medians("load_model_s", [max(r.get("load_model_s", 0.0) for r in run["ranks"]) for run in ok]),
             **_medians("post_s", [max(r.get("post_s", 0.0) for r in run["ranks"]) for run in ok]),
             **_medians("ready_s", [run["ready_s"] for run in ok if "ready_s" in run]),
-            **_medians("throttled_s", [run["throttled_s"] for run in ok if "throttled_s" in run])}
+            **_medians("throttled_s", [run["throttled_s"] for run in ok if "throttled_s" in run]),
+            **_medians("group_peak", [run["group_peak"] / 2**30 for run in ok if "group_peak" in run])}
 
 
 def _per_rank(ok: list[dict]) -> dict:
@@ -459,7 +454,27 @@ def print_table(rows: list[dict]) -> None:
           + ("; served/rank: bytes the object store served each rank (counted by a proxy in front of it); "
              "safetensors+download: load_weights plus the download of the local copy" if served else ""))
     print_wait_table(rows)
+    print_memory_table(rows)
     print_phase_table(rows)
+
+
+def print_memory_table(rows: list[dict]) -> None:
+    """The memory a start held (its group's peak, page cache included; each rank's peak RSS) and,
+    under a CPU quota, how long the quota held it back."""
+    measured = [r for r in rows if "group_peak_median" in r]
+    if not measured:
+        return
+    quota = any("throttled_median" in r for r in measured)
+    print(f"\n{'tp':<4}{'cache':<6}{'loader':<27}{'group peak GiB':>15}{'min-max':>12}{'peak RSS/rank MB':>17}"
+          + (f"{'held back s':>12}{'min-max':>12}" if quota else ""))
+    for r in measured:
+        held = (f"{r['throttled_median']:>12.1f}{r['throttled_min']:>6.1f}-{r['throttled_max']:<5.1f}"
+                if "throttled_median" in r else "")
+        print(f"{r['tp'][2:]:<4}{r['cache']:<6}{r['loader']:<27}{r['group_peak_median']:>15.2f}"
+              f"{r['group_peak_min']:>6.2f}-{r['group_peak_max']:<5.2f}{r['peak_rss_mb']:>17.0f}{held}")
+    print("group peak: the most memory the start's own cgroup held at once (every process of the start and the "
+          "page cache they read in, as a container's limit counts it), medians and min-max over the runs; peak "
+          "RSS: the largest rank's" + ("; held back: time the CPU quota throttled the start" if quota else ""))
 
 
 def print_wait_table(rows: list[dict]) -> None:
