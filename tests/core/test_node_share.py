@@ -55,6 +55,26 @@ def _covered(ranges, file: str, start: int, end: int) -> int:
     return sum(max(0, min(end, e) - max(start, s)) for r in ranges if r.path == file for s, e in r.spans)
 
 
+def _copy(checkpoint: Path, tmp_path: Path) -> Path:
+    """A copy of the checkpoint's files, for a test to change or evict."""
+    copy = tmp_path / "ckpt"
+    copy.mkdir()
+    for f in checkpoint.iterdir():
+        (copy / f.name).write_bytes(f.read_bytes())
+    return copy
+
+
+def _cold_copy(checkpoint: Path, tmp_path: Path) -> tuple[Path, list[str]]:
+    """A copy out of the page cache, and its files (skips where eviction does not work)."""
+    copy = _copy(checkpoint, tmp_path)
+    files = sorted(str(p) for p in copy.glob("*.safetensors"))
+    os.sync()
+    evict(files)
+    if _cached_share(Path(files[0])) > 0.5:
+        pytest.skip("this filesystem keeps files cached after POSIX_FADV_DONTNEED (tmpfs?)")
+    return copy, files
+
+
 def test_pipeline_stages_read_their_layers_and_the_embeddings_or_the_head(dense: Path):
     tensors, headers = _open(dense)
     shares = []
@@ -166,15 +186,7 @@ def test_nearby_ranges_are_read_as_one(dense: Path):
 def test_early_reads_read_the_node_share_and_say_so(dense: Path, tmp_path: Path, monkeypatch, caplog):
     """The engine-independent start with a two-node layout: the log line gives the share and why,
     the node's tensors are in the page cache afterwards and the other stage's are not."""
-    copy = tmp_path / "ckpt"
-    copy.mkdir()
-    for f in dense.iterdir():
-        (copy / f.name).write_bytes(f.read_bytes())
-    files = sorted(str(p) for p in copy.glob("*.safetensors"))
-    os.sync()
-    evict(files)
-    if _cached_share(Path(files[0])) > 0.5:
-        pytest.skip("this filesystem keeps files cached after POSIX_FADV_DONTNEED (tmpfs?)")
+    copy, files = _cold_copy(dense, tmp_path)
     for key in (early.STARTED_ENV, marks.MARKS_ENV, "FASTLOAD_EARLY_READS"):
         monkeypatch.delenv(key, raising=False)
     layout = NodeLayout(node=1, nodes=2, ranks=(_stage(1),), layers_total=4)
@@ -214,15 +226,7 @@ def test_a_rank_counts_the_cached_bytes_of_its_own_rows(dense: Path, tmp_path: P
     import vllm_fastload
     from vllm_fastload.plan import TensorRequest
 
-    copy = tmp_path / "ckpt"
-    copy.mkdir()
-    for f in dense.iterdir():
-        (copy / f.name).write_bytes(f.read_bytes())
-    files = sorted(str(p) for p in copy.glob("*.safetensors"))
-    os.sync()
-    evict(files)
-    if _cached_share(Path(files[0])) > 0.5:
-        pytest.skip("this filesystem keeps files cached after POSIX_FADV_DONTNEED (tmpfs?)")
+    copy, _ = _cold_copy(dense, tmp_path)
     name = "model.layers.0.mlp.up_proj.weight"  # [1024, 256] bf16: 256 KiB, 64 pages a half
     with vllm_fastload.open(copy, config={"progress": False, "early_reads": "never"}) as ckpt:
         info = ckpt.tensors[name]
@@ -250,10 +254,7 @@ def test_a_checkpoint_no_rank_could_load_ends_the_start_at_once(dense: Path, tmp
     rank's failure later; a checkpoint that is not there is left to the load, as before."""
     from vllm_fastload.errors import TruncatedFileError
 
-    copy = tmp_path / "ckpt"
-    copy.mkdir()
-    for f in dense.iterdir():
-        (copy / f.name).write_bytes(f.read_bytes())
+    copy = _copy(dense, tmp_path)
     shard = sorted(copy.glob("*.safetensors"))[-1]
     with shard.open("r+b") as f:
         f.truncate(shard.stat().st_size - 1000)
