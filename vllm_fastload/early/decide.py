@@ -11,7 +11,7 @@ adapter reads off the engine's configuration. The rank's load then finds the pag
 them out. The reads stop when the first rank's load begins (it reads what is missing itself), and
 the files stay mapped in the reading process until every rank of this node has loaded (each leaves
 marks, ``early.marks``) or ``policy.EARLY_READS_HOLD_S`` has passed. A failure here is logged, never
-raised, except a checkpoint no rank could load (a file cut short, say): that ends the start at once.
+raised; a checkpoint file found cut short or unreadable is an error line naming it, at once.
 
 Engine-independent: each adapter calls ``start`` where its engine has its configuration (vLLM:
 ``vllm_plugin.early``; SGLang: ``sglang_plugin``) and loads each rank within ``marks.loading()``.
@@ -30,13 +30,7 @@ from typing import Any
 from vllm_fastload import machine, policy
 from vllm_fastload.early.marks import MARKS_ENV, LoadMarks
 from vllm_fastload.early.node_share import NodeLayout, NodeShare
-from vllm_fastload.errors import (
-    CheckpointError,
-    HeaderError,
-    IndexMismatchError,
-    OutsideCheckpointError,
-    TruncatedFileError,
-)
+from vllm_fastload.errors import CheckpointError, HeaderError, TruncatedFileError
 from vllm_fastload.frozen import FrozenMap
 
 logger = logging.getLogger("vllm_fastload")
@@ -72,28 +66,28 @@ class EarlyStart:
         object.__setattr__(self, "extra", FrozenMap(self.extra))
 
 
-#: What finding the checkpoint's files may raise that every rank's load would raise too (a file cut
-#: short, an unreadable header, an index that disagrees with its files or points outside the
-#: checkpoint): raised at once, so that the start ends with it instead of when a rank meets it.
-REFUSED: tuple[type[CheckpointError], ...] = (HeaderError, TruncatedFileError, IndexMismatchError,
-                                              OutsideCheckpointError)
+#: What finding the checkpoint's files may raise about one file's own bytes (cut short, a header
+#: that is not safetensors): a rank whose load reads that file will stop with the same error, so it
+#: is an error line at once, not one among the reasons for reading nothing early. Not raised: which
+#: files the load reads is the model's to say (vLLM's ``allow_patterns_overrides`` may leave a
+#: damaged file of the directory unread), and the model is not known yet.
+UNREADABLE: tuple[type[CheckpointError], ...] = (HeaderError, TruncatedFileError)
 
 
 def start(engine: str, settings: Callable[[], EarlyStart]) -> None:
     """Read the checkpoint of the start that ``settings()`` describes into the page cache, once per
     path in a process tree (``engine`` names the engine in the log lines). Best effort: a failure,
-    reading the engine's configuration included, is logged, never raised, but for a checkpoint
-    every load would refuse (``REFUSED``): that is logged as an error and raised, to end the start."""
+    reading the engine's configuration included, is logged, never raised; a checkpoint file that
+    cannot be read (``UNREADABLE``) as an error naming it."""
     from vllm_fastload.sources.hub import NotCachedError  # (huggingface_hub only where asked)
 
     try:
         _start(settings(), engine)
     except NotCachedError as exc:
         logger.info("fastload: no early reads: %s; %s downloads it and fastload reads it at load time", exc, engine)
-    except REFUSED as exc:
-        logger.error("fastload: the checkpoint cannot be loaded (found before any rank started): %s: %s",
-                     type(exc).__name__, exc)
-        raise
+    except UNREADABLE as exc:
+        logger.error("fastload: early reads: a checkpoint file cannot be read (%s: %s); nothing is read early, "
+                     "and a rank whose load reads that file will stop with this error", type(exc).__name__, exc)
     except Exception as exc:  # best effort: the loader reads at load time regardless
         logger.info("fastload: no early reads (%s: %s)", type(exc).__name__, exc)
 

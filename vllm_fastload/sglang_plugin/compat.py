@@ -133,7 +133,7 @@ def on_server_args(name: str, callback: Callable[[Any], None]) -> None:
     ``resolve_once`` again on the record it was handed, already resolved; the hook runs after each
     call, in every process. The callback must therefore decide for itself whether it has work left
     (early reads: ``early.decide``'s environment guard, which the launcher sets before it starts the
-    schedulers and they inherit); what it raises ends the launch."""
+    schedulers and they inherit), and must not raise."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     def after_resolve(result: Any, server_args: Any, *args: Any, **kwargs: Any) -> Any:

@@ -231,8 +231,7 @@ def on_config(load_format: str, callback: Callable[[Any], None]) -> None:
     """Call ``callback(vllm_config)`` where vLLM has verified a config that loads with
     ``load_format`` (idempotent). ``VllmConfig.try_verify_and_update_config`` runs when the config
     is built, in the API server's or ``LLM(...)``'s process, long before the workers load weights.
-    What the callback raises ends the start (early reads raise only for a checkpoint no rank could
-    load); anything else it does is best effort."""
+    The callback must not raise; anything it does is best effort."""
     try:
         from vllm.config.vllm import VllmConfig
 
