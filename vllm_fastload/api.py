@@ -481,8 +481,8 @@ class _Sampled:
         chosen = ranges if count <= samples else [ranges[i * (count - 1) // (samples - 1)] for i in range(samples)]
         offsets: set[int] = set()
         for offset, length in chosen:
-            each = min(-(-samples // len(chosen)), -(-length // pagecache.PAGE))
-            offsets.update(offset + (length - 1) * j // max(each - 1, 1) for j in range(each))
+            each = min(-(-samples // len(chosen)), -(-length // pagecache.PAGE))  # at most one per page
+            offsets.update(pagecache.spread(offset, length, each))
         return cls(fd, tuple(sorted(offsets)), nbytes)
 
 

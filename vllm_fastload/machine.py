@@ -129,6 +129,11 @@ def _unescape(field: str) -> str:
     return field.encode().decode("unicode_escape") if "\\" in field else field
 
 
+def cgroup_path(controller: str) -> str | None:
+    """This process's group in the v1 hierarchy of ``controller`` (None: no such hierarchy holds it)."""
+    return _cgroup_paths("/proc/self/cgroup", controller).get(controller)
+
+
 def _cgroup_paths(cgroup: str, controller: str = "memory") -> dict[str, str]:
     """The process's cgroup path per hierarchy: "v2" for the unified one, ``controller`` for v1's."""
     paths = {}

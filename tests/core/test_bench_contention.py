@@ -55,12 +55,10 @@ def test_busy_keeps_every_cpu_busy_while_the_start_runs_and_stops_after():
 
 def _quota_reason() -> str | None:
     """Why no group with a CPU quota can be made here (None: it can)."""
-    if Path("/sys/fs/cgroup/cpu").is_dir():
-        return None if os.geteuid() == 0 else "making a cgroup v1 cpu group needs root"
-    unified = Path("/sys/fs/cgroup/cgroup.controllers")
-    if unified.exists() and "cpu" in unified.read_text().split():
-        return None if os.geteuid() == 0 else "making a cgroup v2 group needs root"
-    return f"no cgroup v1 cpu hierarchy, and no cpu controller in cgroup v2 ({v1_reason('cpu')})"
+    from vllm_fastload.bench.contention import _Group
+
+    return None if _Group.possible("cpu") else f"no cpu cgroup can be made here (needs root and the controller; " \
+        f"{v1_reason('cpu')})"
 
 
 @pytest.mark.skipif(_quota_reason() is not None, reason=str(_quota_reason()))

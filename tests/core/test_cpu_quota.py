@@ -17,19 +17,10 @@ from vllm_fastload.bench.contention import MachineLoad
 from vllm_fastload.machine import CpuQuota, cpu_quota
 
 from .test_bench_contention import _quota_reason
+from .test_memory_limits import _layout
 
 MOUNTS_V2 = "30 23 0:26 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n"
 MOUNTS_V1 = "31 23 0:27 / /sys/fs/cgroup/cpu,cpuacct rw - cgroup cgroup rw,cpu,cpuacct\n"
-
-
-def _layout(root: Path, *, cgroup: str, mountinfo: str, files: dict[str, str]) -> str:
-    (root / "proc/self").mkdir(parents=True)
-    (root / "proc/self/cgroup").write_text(cgroup)
-    (root / "proc/self/mountinfo").write_text(mountinfo)
-    for path, text in files.items():
-        (root / path).parent.mkdir(parents=True, exist_ok=True)
-        (root / path).write_text(text)
-    return str(root)
 
 
 def test_cgroupfs_layout_v2_the_lowest_quota_of_the_group_and_its_ancestors(tmp_path: Path):
@@ -37,8 +28,8 @@ def test_cgroupfs_layout_v2_the_lowest_quota_of_the_group_and_its_ancestors(tmp_
     root = _layout(tmp_path, cgroup="0::/kubepods/pod7/ctr\n", mountinfo=MOUNTS_V2,
                    files={f"{pod}/cpu.max": "250000 100000\n", f"{pod}/ctr/cpu.max": "max 100000\n",
                           "sys/fs/cgroup/kubepods/cpu.max": "800000 100000\n"})
-    assert cpu_quota(root) == CpuQuota("cgroup v2", "/kubepods/pod7", 2.5)
-    assert cpu_quota(root).describe() == "cgroup v2 CPU quota of 2.50 CPUs at /kubepods/pod7"
+    assert cpu_quota(str(root)) == CpuQuota("cgroup v2", "/kubepods/pod7", 2.5)
+    assert cpu_quota(str(root)).describe() == "cgroup v2 CPU quota of 2.50 CPUs at /kubepods/pod7"
 
 
 def test_cgroupfs_layout_v2_and_v1_without_a_quota(tmp_path: Path):
@@ -46,14 +37,14 @@ def test_cgroupfs_layout_v2_and_v1_without_a_quota(tmp_path: Path):
     v1 = _layout(tmp_path / "b", cgroup="3:cpu,cpuacct:/job\n", mountinfo=MOUNTS_V1,
                  files={"sys/fs/cgroup/cpu,cpuacct/job/cpu.cfs_quota_us": "-1\n",
                         "sys/fs/cgroup/cpu,cpuacct/job/cpu.cfs_period_us": "100000\n"})
-    assert cpu_quota(v2) is None and cpu_quota(v1) is None
+    assert cpu_quota(str(v2)) is None and cpu_quota(str(v1)) is None
 
 
 def test_cgroupfs_layout_v1_a_quota_on_the_group(tmp_path: Path):
     root = _layout(tmp_path, cgroup="3:cpu,cpuacct:/docker/abc\n", mountinfo=MOUNTS_V1,
                    files={"sys/fs/cgroup/cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "75000\n",
                           "sys/fs/cgroup/cpu,cpuacct/docker/abc/cpu.cfs_period_us": "50000\n"})
-    assert cpu_quota(root) == CpuQuota("cgroup v1", "/docker/abc", 1.5)
+    assert cpu_quota(str(root)) == CpuQuota("cgroup v1", "/docker/abc", 1.5)
 
 
 PROBE = "from vllm_fastload import machine; import json; q = machine.cpu_quota(); " \

@@ -31,7 +31,7 @@ from vllm_fastload import machine
 
 #: The CFS period a quota is set in (the kernel's default).
 PERIOD_US = 100_000
-_V1 = Path("/sys/fs/cgroup")
+_CGROUP = Path("/sys/fs/cgroup")
 _count = itertools.count()
 
 
@@ -133,9 +133,9 @@ class _Group:
         """Whether a group of ``controller`` can be made here (root, and a hierarchy that has it)."""
         if os.geteuid() != 0:
             return False
-        if (_V1 / controller).is_dir():
+        if (_CGROUP / controller).is_dir():
             return True
-        unified = _V1 / "cgroup.controllers"
+        unified = _CGROUP / "cgroup.controllers"
         return unified.exists() and controller in unified.read_text().split()
 
     @classmethod
@@ -145,13 +145,14 @@ class _Group:
         hierarchy's root, v2) with the files ``v1`` or ``v2`` written; removed afterwards, with
         whatever still runs in it."""
         name = f"fastload-bench-{os.getpid()}-{next(_count)}"
-        if (_V1 / controller).is_dir():
-            group, settings = cls(_V1 / controller / _own_v1_path(controller) / name, 1), v1
+        if (_CGROUP / controller).is_dir():
+            own = (machine.cgroup_path(controller) or "").lstrip("/")
+            group, settings = cls(_CGROUP / controller / own / name, 1), v1
         elif _Group.possible(controller):
-            subtree = _V1 / "cgroup.subtree_control"
+            subtree = _CGROUP / "cgroup.subtree_control"
             if controller not in subtree.read_text().split():
                 subtree.write_text(f"+{controller}")
-            group, settings = cls(_V1 / name, 2), v2
+            group, settings = cls(_CGROUP / name, 2), v2
         else:
             raise SystemExit(f"bench: cannot make a cgroup with the {controller} controller here (needs root and "
                              f"a cgroup v1 {controller} hierarchy or the controller in cgroup v2)")
@@ -204,12 +205,3 @@ def _spinners(count: int) -> Iterator[None]:
             proc.kill()
         for proc in procs:
             proc.wait()
-
-
-def _own_v1_path(controller: str) -> str:
-    """This process's group in the v1 hierarchy of ``controller``, relative to its root."""
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
-        _, controllers, path = line.split(":", 2)
-        if controller in controllers.split(","):
-            return path.lstrip("/")
-    return ""

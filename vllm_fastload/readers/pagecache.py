@@ -46,7 +46,12 @@ def cached_share(fd: int, start: int, end: int, samples: int = policy.PAGE_SAMPL
     A sample, not every page: the probe runs on the loading thread, once per chunk."""
     if end <= start:
         return 1.0
-    return share_cached(fd, [start + (end - 1 - start) * i // (samples - 1) for i in range(samples)])
+    return share_cached(fd, spread(start, end - start, samples))
+
+
+def spread(offset: int, length: int, samples: int) -> list[int]:
+    """``samples`` offsets spread evenly over ``length`` bytes from ``offset``, first and last included."""
+    return [offset + (length - 1) * i // max(samples - 1, 1) for i in range(samples)]
 
 
 def share_cached(fd: int, offsets: Sequence[int]) -> float | None:
