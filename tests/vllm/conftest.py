@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -17,6 +18,9 @@ from vllm_fastload.tools.checkpoints import write_checkpoint
 from vllm_fastload.tools.processes import remove_logged_cpu_shm
 
 HERE = Path(__file__).parent
+#: Whether this is a vLLM GPU build run as vLLM's CPU platform (scripts/test.sh puts
+#: gpu_build_on_cpu/ on PYTHONPATH for the run against vLLM 0.33.0, which has no CPU build).
+GPU_BUILD_ON_CPU = importlib.util.find_spec("fastload_test_gpu_build_on_cpu") is not None
 
 #: name -> (preset, files); one file means no index (a plain model.safetensors).
 ARCHITECTURES = {

@@ -19,6 +19,7 @@ pytestmark = pytest.mark.vllm
 
 
 @pytest.mark.core
+@pytest.mark.gpu_build
 def test_the_running_vllm_is_a_supported_release():
     """scripts/test.sh names the release each environment must hold (FASTLOAD_DEV_TEST_VLLM), so an
     environment that silently resolved another vLLM fails here."""
@@ -30,15 +31,17 @@ def test_the_running_vllm_is_a_supported_release():
 
 
 @pytest.mark.core
+@pytest.mark.gpu_build
 def test_supported_range_is_by_release():
-    assert compat.supported_range() == "vLLM 0.29 to 0.32"
-    for version in ("0.29.0", "0.30.1", "0.32.0", "0.32.3"):
+    assert compat.supported_range() == "vLLM 0.29 to 0.33"
+    for version in ("0.29.0", "0.30.1", "0.32.0", "0.32.3", "0.33.0"):
         assert compat.is_supported(version), version
-    for version in ("0.28.2", "0.33.0", "0.33.0rc1", "1.0.0", "unknown", ""):
+    for version in ("0.28.2", "0.34.0", "0.34.0rc1", "1.0.0", "unknown", ""):
         assert not compat.is_supported(version), version
 
 
 @pytest.mark.core
+@pytest.mark.gpu_build
 def test_an_untested_vllm_is_named_once_per_process(monkeypatch, caplog):
     monkeypatch.setattr(vllm, "__version__", "0.99.0")
     monkeypatch.setattr(compat, "_noted", False)
@@ -47,17 +50,18 @@ def test_an_untested_vllm_is_named_once_per_process(monkeypatch, caplog):
         compat.note_release()
     lines = [r.getMessage() for r in caplog.records if "outside the range" in r.getMessage()]
     assert lines == ["fastload: vLLM 0.99.0 is outside the range this fastload is tested with (vLLM 0.29 to "
-                     "0.32); `vllm-fastload verify MODEL --tp N` checks it on your checkpoint"]
+                     "0.33); `vllm-fastload verify MODEL --tp N` checks it on your checkpoint"]
 
 
 @pytest.mark.core
+@pytest.mark.gpu_build
 def test_a_missing_interface_stops_the_loader_naming_it(monkeypatch):
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
     monkeypatch.delattr(DefaultModelLoader, "track_weights_loading")
     with pytest.raises(compat.UnsupportedVllmError,
                        match=r"lacks DefaultModelLoader\.track_weights_loading\. fastload supports vLLM 0\.29 to "
-                             r"0\.32"):
+                             r"0\.33"):
         FastloadModelLoader(LoadConfig(load_format="fastload"))
 
 
@@ -71,7 +75,7 @@ def test_vllm_without_an_interface_fails_at_start_naming_it_and_reads_nothing(ch
     assert "error" in result and "digests" not in result, result["log"][-3000:]
     log = result["log"]
     assert ("fastload cannot run on vLLM 0.99.0: it lacks DefaultModelLoader.track_weights_loading. fastload "
-            "supports vLLM 0.29 to 0.32") in log, log[-4000:]
+            "supports vLLM 0.29 to 0.33") in log, log[-4000:]
     noted = [line.split("WARNING")[0] for line in log.splitlines()
              if "vLLM 0.99.0 is outside the range this fastload is tested with" in line]
     # The engine core and the worker (vLLM prefixes their lines with their pids), and this process.
@@ -80,6 +84,7 @@ def test_vllm_without_an_interface_fails_at_start_naming_it_and_reads_nothing(ch
 
 
 @pytest.mark.core
+@pytest.mark.gpu_build
 def test_a_vllm_that_cannot_register_the_loader_is_warned_about_not_stopped(monkeypatch, caplog):
     """The plugin runs in every vLLM process, also in those that never load with fastload: where it
     cannot register, it says why and lets vLLM start."""

@@ -18,7 +18,7 @@ from vllm_fastload.errors import CheckpointError, MissingFileError, OutsideCheck
 from vllm_fastload.tools.checkpoints import write_checkpoint
 from vllm_fastload.vllm_plugin import compat
 
-pytestmark = [pytest.mark.vllm, pytest.mark.core]
+pytestmark = [pytest.mark.vllm, pytest.mark.core, pytest.mark.gpu_build]
 
 SHAPE = (16, 8)
 

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from vllm_fastload.tools.checkpoints import write_checkpoint
+from vllm_fastload.tools.quantize import quantize_checkpoint
 
-from .conftest import HERE
+from .conftest import GPU_BUILD_ON_CPU, HERE
 
 pytestmark = pytest.mark.vllm
 
@@ -40,14 +41,21 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def core_checkpoints(tmp_path_factory) -> dict[str, Path]:
-    """A dense, an MoE and a quantized checkpoint (compressed-tensors W8A8 int8)."""
+    """A dense, an MoE and a quantized checkpoint (compressed-tensors W8A8 int8; fp8 on a vLLM GPU
+    build run as the CPU platform, whose int8 post-processing needs the CPU build's kernels)."""
     root = tmp_path_factory.mktemp("verify-core")
+    if GPU_BUILD_ON_CPU:
+        quantized = quantize_checkpoint(registry.build("LlamaForCausalLM", root, "small"), root / "llama-w8a8-fp8",
+                                        "fp8")
+    else:
+        quantized = zoo.build_quantized("llama-w8a8-int8", root)
     return {"LlamaForCausalLM": write_checkpoint(root / "dense", "demo", files=2),
             "MixtralForCausalLM": registry.build("MixtralForCausalLM", root, "small"),
-            "quantized LlamaForCausalLM": zoo.build_quantized("llama-w8a8-int8", root)}
+            "quantized LlamaForCausalLM": quantized}
 
 
 @pytest.mark.core
+@pytest.mark.gpu_build
 @pytest.mark.parametrize("tp", [1, 2])
 def test_dense_moe_and_quantized_are_exact_on_every_rank(core_checkpoints, tp):
     """Every parameter on every rank equals the default loader's, after loading and after vLLM's

