@@ -199,3 +199,56 @@ def test_node_layout_from_vllms_config(args, node, partition, want, checkpoints,
     assert start.layout.vocab_padding == 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
     one = _settings(EngineArgs(**common).create_engine_config())
     assert one.nodes == 1 and one.layout is None
+
+
+@pytest.mark.parametrize(("dp", "local", "start", "tp", "want"), [
+    (2, 1, 0, 1, "node 0 of 2 holds layers 0-3 of 4, the embeddings, the head, data-parallel ranks 0 of 2, "
+                 "experts 0-1 of 4"),
+    (2, 1, 1, 1, "node 1 of 2 holds layers 0-3 of 4, the embeddings, the head, data-parallel ranks 1 of 2, "
+                 "experts 2-3 of 4"),
+    (2, 1, 1, 2, "data-parallel ranks 1 of 2, experts 2-3 of 4"),  # expert ranks 2 and 3 of 4
+    (4, 2, 2, 1, "node 1 of 2 holds layers 0-3 of 4, the embeddings, the head, data-parallel ranks 2-3 of 4, "
+                 "experts 2-3 of 4"),
+])
+def test_node_layout_of_experts_over_data_parallel_nodes(dp, local, start, tp, want, tmp_path, monkeypatch):
+    """A data-parallel start with expert parallelism over two nodes (the head's config, and a
+    ``--headless --data-parallel-start-rank`` node's, built by vLLM's own ``EngineArgs``): each node
+    holds the experts of its own data-parallel ranks, by vLLM's expert ranks (``dp_rank * tp +
+    tp_rank`` of ``dp * tp``), and everything else; its early reads are those bytes, and the two
+    nodes' shares together are the checkpoint. A dense model, or every data-parallel rank on one
+    node, reads every file as before."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_fastload.early import decide as core_early
+    from vllm_fastload.early.decide import node_share_of
+    from vllm_fastload.tools.checkpoints import ModelSpec, write_checkpoint
+    from vllm_fastload.vllm_plugin.early import _settings
+
+    moe = write_checkpoint(tmp_path / "moe", ModelSpec(arch="mixtral", layers=4), files=2)
+    dense = write_checkpoint(tmp_path / "dense", ModelSpec(arch="llama", layers=4), files=1, index=False)
+    monkeypatch.setenv(core_early.STARTED_ENV, str(moe))  # building the configs below reads nothing early
+
+    def settings(model: Path, local: int, start: int):
+        args = EngineArgs(model=str(model), load_format="fastload", max_model_len=128, enforce_eager=True,
+                          dtype="bfloat16", skip_tokenizer_init=True, tensor_parallel_size=tp,
+                          enable_expert_parallel=model == moe, data_parallel_size=dp, data_parallel_size_local=local,
+                          data_parallel_start_rank=start or None, data_parallel_address="127.0.0.1")
+        return _settings(args.create_engine_config(headless=start > 0))
+
+    start_settings = settings(moe, local, start)
+    assert start_settings.nodes == 2 and start_settings.layout is not None
+    assert want in start_settings.layout.describe()
+    assert start_settings.local_ranks == len(start_settings.layout.ranks) == local * tp
+
+    files = sorted(str(f) for f in moe.glob("*.safetensors"))
+    shares = [node_share_of(files, settings(moe, local, first).layout) for first in (0, local)]
+    for share in shares:
+        headers = sum(r.spans[0][1] for r in share.ranges)
+        assert share.held < share.total and share.read <= (share.held + headers) * 1.05, share
+    covered = {r.path: list(r.spans) for r in shares[0].ranges}
+    for r in shares[1].ranges:
+        covered[r.path] = _merged(sorted(covered[r.path] + list(r.spans)))
+    assert all(spans == [(0, Path(path).stat().st_size)] for path, spans in covered.items()), covered
+
+    assert settings(dense, local, start).layout is None  # dense: every data-parallel rank holds everything
+    assert settings(moe, dp, 0).layout is None  # every data-parallel rank on this node

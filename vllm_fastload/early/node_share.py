@@ -109,6 +109,9 @@ class RankHolding:
     tp_size: int = 1
     #: The experts it holds whole (expert parallelism); None: every expert, split like other weights.
     experts: frozenset[int] | None = None
+    #: Its data-parallel rank, where experts spread over data-parallel ranks too (else 0 of 1).
+    dp_rank: int = 0
+    dp_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -138,10 +141,18 @@ class NodeLayout:
         tp_ranks = sorted({r.tp_rank for r in self.ranks})
         if max(tp) > 1 and len(tp_ranks) < max(tp):
             parts.append(f"tensor-parallel ranks {_spans_text(tp_ranks)} of {max(tp)} (rows estimated by tensor names)")
+        return f"node {self.node} of {self.nodes} holds " + ", ".join(parts + self._expert_parts())
+
+    def _expert_parts(self) -> list[str]:
+        """The data-parallel ranks and experts of the node, where experts are placed."""
+        parts = []
+        dp = max((r.dp_size for r in self.ranks), default=1)
+        if dp > 1:
+            parts.append(f"data-parallel ranks {_spans_text(sorted({r.dp_rank for r in self.ranks}))} of {dp}")
         if all(r.experts is not None for r in self.ranks) and self.experts_total:
             experts = sorted(set().union(*(r.experts or () for r in self.ranks)))
             parts.append(f"experts {_spans_text(experts)} of {self.experts_total}")
-        return f"node {self.node} of {self.nodes} holds " + ", ".join(parts)
+        return parts
 
 
 @dataclass(frozen=True)

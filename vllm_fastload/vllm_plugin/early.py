@@ -6,7 +6,10 @@ vLLM verifies its config (``VllmConfig.try_verify_and_update_config``) in the AP
 On a start that spans nodes (``--nnodes``, each node verifying its own config: the head's
 ``LLM``/API server and every ``--headless`` node) it reads this node's share: ``_node_layout``
 reads off vLLM's config what the node's ranks hold, with vLLM's own layer partition
-(``get_pp_indices``, which honours ``VLLM_PP_LAYER_PARTITION``) and expert map.
+(``get_pp_indices``, which honours ``VLLM_PP_LAYER_PARTITION``) and expert map. So does each node
+of a data-parallel start with expert parallelism (``--data-parallel-size`` over nodes,
+``--data-parallel-start-rank`` on each headless one), where every data-parallel rank holds its
+own experts: the node reads the experts of its data-parallel ranks, and what every rank holds.
 """
 
 from __future__ import annotations
@@ -26,7 +29,10 @@ def start(vllm_config: Any) -> None:
 
 def _settings(vllm_config: Any) -> EarlyStart:
     model_config, load_config = vllm_config.model_config, vllm_config.load_config
-    nodes = _nodes(vllm_config.parallel_config)
+    parallel = vllm_config.parallel_config
+    nodes = _nodes(parallel)
+    if _experts_across_dp(vllm_config):
+        nodes *= _dp_nodes(parallel)
     layout = None
     if nodes > 1:
         try:
@@ -59,30 +65,71 @@ def _nodes(parallel: Any) -> int:
     return max(int(nodes or 1), 1)
 
 
+def _dp(parallel: Any) -> tuple[int, int, int]:
+    """The data-parallel size, the first data-parallel rank this node runs, and how many it runs
+    (``--data-parallel-start-rank`` and ``--data-parallel-size-local``; one where unset)."""
+    size = max(int(getattr(parallel, "data_parallel_size", 1) or 1), 1)
+    local = getattr(parallel, "data_parallel_size_local", None)
+    local = size if local is None else int(local)
+    return size, int(getattr(parallel, "data_parallel_rank", 0) or 0), max(local, 1)
+
+
+def _dp_nodes(parallel: Any) -> int:
+    """The nodes the data-parallel ranks are spread over (as many on each as on this one)."""
+    size, _, local = _dp(parallel)
+    return -(-size // local)
+
+
+def _experts_across_dp(vllm_config: Any) -> bool:
+    """An MoE whose experts vLLM spreads over the data-parallel ranks too (expert parallelism with
+    ``--data-parallel-size`` > 1, the ranks of each replica on one node): each node holds the
+    experts of its own data-parallel ranks."""
+    parallel = vllm_config.parallel_config
+    size, _, local = _dp(parallel)
+    return (size > local and _nodes(parallel) == 1 and bool(getattr(parallel, "enable_expert_parallel", False))
+            and int(vllm_config.model_config.get_num_experts() or 0) > 0)
+
+
 def _node_layout(vllm_config: Any) -> NodeLayout:
     """What each rank of this node holds, as vLLM lays ranks out: within a replica, global ranks
     ``[local_world_size * node, ...)`` on this node, each ``pp_rank * (pcp * tp) + pcp_rank * tp +
     tp_rank`` (``distributed.parallel_state``); layers by vLLM's ``get_pp_indices``; experts by its
-    ``determine_expert_map`` where expert parallelism is on (every expert where its placement is
-    not vLLM's plain linear one, or experts also spread across data-parallel ranks)."""
+    ``determine_expert_map`` where expert parallelism is on, over ``dp * pcp * tp`` expert ranks,
+    rank ``dp_rank * pcp * tp + pcp_rank * tp + tp_rank`` (``FusedMoEParallelConfig``); every
+    expert where the placement is not vLLM's linear one. Where experts spread over data-parallel
+    ranks on several nodes (``_experts_across_dp``), the node runs whole replicas: every rank of
+    each of its data-parallel ranks."""
     from vllm.distributed.utils import get_pp_indices
 
     parallel, model_config = vllm_config.parallel_config, vllm_config.model_config
     tp, pp = int(parallel.tensor_parallel_size), int(parallel.pipeline_parallel_size)
     pcp = int(getattr(parallel, "prefill_context_parallel_size", 1) or 1)
-    node, local = int(parallel.node_rank_within_dp), int(parallel.local_world_size)
     layers = int(model_config.get_total_num_hidden_layers())
     experts = int(model_config.get_num_experts() or 0)
-    expert_parallel = experts > 0 and bool(getattr(parallel, "enable_expert_parallel", False)) and tp * pcp > 1
+    dp_size, dp_first, dp_local = _dp(parallel)
+    if _experts_across_dp(vllm_config):
+        node, nodes = dp_first // dp_local, _dp_nodes(parallel)
+        held_by = [(dp, rank) for dp in range(dp_first, min(dp_first + dp_local, dp_size))
+                   for rank in range(tp * pp * pcp)]
+    else:
+        node, local, nodes = int(parallel.node_rank_within_dp), int(parallel.local_world_size), _nodes(parallel)
+        held_by = [(0, rank) for rank in range(node * local, (node + 1) * local)]
+    ep_size = dp_size * pcp * tp
+    # (replicas over several nodes and data-parallel ranks too: which node runs which data-parallel
+    # rank is not read here, so every expert, as without a placement)
+    expert_parallel = (experts > 0 and bool(getattr(parallel, "enable_expert_parallel", False)) and ep_size > 1
+                       and (dp_size == 1 or _experts_across_dp(vllm_config)))
     ranks = []
-    for rank in range(node * local, (node + 1) * local):
+    for dp_rank, rank in held_by:
         tp_rank, pcp_rank, pp_rank = rank % tp, rank // tp % pcp, rank // (tp * pcp)
         first, last = get_pp_indices(layers, pp_rank, pp)
-        held = _experts(parallel, experts, tp * pcp, pcp_rank * tp + tp_rank) if expert_parallel else None
+        ep_rank = dp_rank * pcp * tp + pcp_rank * tp + tp_rank
+        held = _experts(parallel, experts, ep_size, ep_rank) if expert_parallel else None
         ranks.append(RankHolding(layers=range(first, last), embeddings=pp_rank == 0, head=pp_rank == pp - 1,
-                                 tp_rank=tp_rank, tp_size=tp, experts=held))
+                                 tp_rank=tp_rank, tp_size=tp, experts=held, dp_rank=dp_rank,
+                                 dp_size=dp_size if expert_parallel else 1))
     tied = bool(getattr(model_config.hf_text_config, "tie_word_embeddings", False))
-    return NodeLayout(node=node, nodes=_nodes(parallel), ranks=tuple(ranks), layers_total=layers,
+    return NodeLayout(node=node, nodes=nodes, ranks=tuple(ranks), layers_total=layers,
                       experts_total=experts, tied_embeddings=tied, vocab_padding=_vocab_padding())
 
 
@@ -95,9 +142,8 @@ def _vocab_padding() -> int:
 
 def _experts(parallel: Any, experts: int, ep_size: int, ep_rank: int) -> frozenset[int] | None:
     """The experts expert-parallel rank ``ep_rank`` holds, by vLLM's own map; None (every expert)
-    where the placement is not vLLM's linear one or also spans data-parallel ranks."""
-    if (int(getattr(parallel, "data_parallel_size", 1) or 1) > 1 or getattr(parallel, "enable_eplb", False)
-            or getattr(parallel, "expert_placement_strategy", "linear") != "linear"):
+    where the placement is not vLLM's linear one (load balancing moves experts at run time)."""
+    if getattr(parallel, "enable_eplb", False) or getattr(parallel, "expert_placement_strategy", "linear") != "linear":
         return None
     try:
         from vllm.model_executor.layers.fused_moe.expert_map_manager import determine_expert_map
