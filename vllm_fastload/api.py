@@ -136,6 +136,8 @@ class FastCheckpoint:
         self.source = self._checkpoint.source
         #: Whether its files are objects in a store.
         self.is_remote = self._checkpoint.is_remote
+        #: Whether its files are on a network filesystem (``machine.is_network``).
+        self.network = network
         #: Tensor name -> ``TensorInfo``, read-only (it grows with ``add_file``).
         self.tensors: Mapping[str, TensorInfo] = types.MappingProxyType(self._checkpoint.tensors)
         #: The reader backend its reads use (``policy.backend``), and where they land.

@@ -424,6 +424,44 @@ def row_sharing(*, mode: Mode, planned: bool, remote: bool) -> RowSharing:
     return RowSharing.FILES
 
 
+class ReplicaSharing(str, enum.Enum):
+    """Whether a rank offers the ranks that hold what it holds (its data-parallel group) to read
+    what they hold alike once among them (``dp_exchange``): each reads a block of the rows and
+    sends it to the others, instead of every rank reading all of it."""
+
+    #: Not offered: ``never``, or no per-rank plan (every tensor is read whole).
+    OFF = "not offered"
+    #: Not offered, ``auto`` on a local disk: there one page cache, or a disk that each node
+    #: reads at its own rate, serves every rank of the node; the exchange would add its sends.
+    LOCAL = "not offered: local files, where each rank reads them itself"
+    #: Offered: ``always``, an object store or a network filesystem, where every rank's read is a
+    #: fetch from the same shared storage.
+    GROUP = "offered to the group"
+
+    @property
+    def offered(self) -> bool:
+        return self is ReplicaSharing.GROUP
+
+
+def replica_sharing(*, mode: Mode, planned: bool, remote: bool, network: bool) -> ReplicaSharing:
+    """Whether this rank offers to read what its data-parallel group holds alike once among them.
+
+    Args:
+        mode: the ``dp_exchange`` setting.
+        planned: the rank reads from a per-rank plan.
+        remote: the checkpoint is in an object store.
+        network: its files are on a network filesystem.
+
+    Returns:
+        The offer.
+    """
+    if not planned or mode == "never":
+        return ReplicaSharing.OFF
+    if mode == "always" or remote or network:
+        return ReplicaSharing.GROUP
+    return ReplicaSharing.LOCAL
+
+
 def whole_reads_direct_io(direct_io: Mode, *, world: int) -> Mode:
     """The ``direct_io`` for reading every tensor whole on every rank (no per-rank plan): at TP>1
     'auto' reads through the page cache, so that where the ranks share a machine one rank's disk

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from vllm_fastload import policy
-from vllm_fastload.policy import ChunkRead, EarlyReads, Filesystem, MapChunk, RowSharing
+from vllm_fastload.policy import ChunkRead, EarlyReads, Filesystem, MapChunk, ReplicaSharing, RowSharing
 
 ANY = object()
 
@@ -205,6 +205,27 @@ def test_row_sharing_table(planned, mode, remote) -> None:
     got = policy.row_sharing(mode=mode, planned=planned, remote=remote)
     assert got is want
     assert got.offered == (want is RowSharing.GROUP)
+
+
+#: (planned, mode, remote, network) -> the replicas' offer; the first matching row decides. ``auto``
+#: shares where every rank fetches from the same shared storage (an object store, a network filesystem).
+REPLICA_SHARING = [
+    ((False, ANY, ANY, ANY), ReplicaSharing.OFF),
+    ((True, "never", ANY, ANY), ReplicaSharing.OFF),
+    ((True, "always", ANY, ANY), ReplicaSharing.GROUP),
+    ((True, "auto", True, ANY), ReplicaSharing.GROUP),
+    ((True, "auto", ANY, True), ReplicaSharing.GROUP),
+    ((True, "auto", False, False), ReplicaSharing.LOCAL),
+]
+
+
+@pytest.mark.parametrize("planned,mode,remote,network", list(itertools.product(
+    [True, False], ["auto", "always", "never"], [False, True], [False, True])))
+def test_replica_sharing_table(planned, mode, remote, network) -> None:
+    want = next(out for row, out in REPLICA_SHARING if _matches(row, (planned, mode, remote, network)))
+    got = policy.replica_sharing(mode=mode, planned=planned, remote=remote, network=network)
+    assert got is want
+    assert got.offered == (want is ReplicaSharing.GROUP)
 
 
 @pytest.mark.parametrize("direct_io,world,want", [

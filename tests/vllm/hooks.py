@@ -43,26 +43,38 @@ def worker_identity(model) -> dict:
 
 def write_digests_after_load(out_dir: str) -> None:
     """Wrap ``BaseModelLoader.load_model`` (once per process): each rank writes its parameter
-    digests to ``out_dir/rank<N>.json`` when its model is loaded and post-processed."""
+    digests to ``out_dir/rank<N>.json`` when its model is loaded and post-processed, and to
+    ``out_dir/rank<N>.loaded.json`` as it was loaded, before vLLM's post-processing (which on some
+    CPUs packs a linear layer's weight into a kernel's own buffer and leaves the parameter empty)."""
     import functools
 
-    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+    from vllm.model_executor.model_loader import base_loader
 
-    original = BaseModelLoader.load_model
+    original = base_loader.BaseModelLoader.load_model
     if getattr(original, "_fastload_digests", False):
         return
+    post = base_loader.process_weights_after_loading
 
-    @functools.wraps(original)
-    def load_model(self, *args, **kwargs):
+    def write(model, suffix: str) -> None:
         import torch.distributed as dist
 
         from vllm_fastload.tools.digests import parameter_digests
 
-        model = original(self, *args, **kwargs)
         rank = dist.get_rank() if dist.is_initialized() else 0
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        with open(os.path.join(out_dir, f"rank{rank}{suffix}.json"), "w") as f:
             json.dump(parameter_digests(model), f)
+
+    @functools.wraps(post)
+    def process_weights_after_loading(model, *args, **kwargs):
+        write(model, ".loaded")
+        return post(model, *args, **kwargs)
+
+    @functools.wraps(original)
+    def load_model(self, *args, **kwargs):
+        model = original(self, *args, **kwargs)
+        write(model, "")
         return model
 
     load_model._fastload_digests = True
-    BaseModelLoader.load_model = load_model
+    base_loader.BaseModelLoader.load_model = load_model
+    base_loader.process_weights_after_loading = process_weights_after_loading

@@ -108,6 +108,13 @@ class FastloadConfig(BaseSettings):
         "'auto': for object stores (one request per row otherwise); on files each rank reads its own "
         "columns, which is faster there, cold or warm; 'always': for every source; 'never': each rank "
         "reads its own columns.")
+    dp_exchange: Mode = Field(
+        "auto", description="vLLM loader, data parallelism with expert parallelism (an MoE): the ranks of "
+        "the data-parallel group hold the same attention, embeddings and norms; each reads a block of "
+        "their rows and sends it to the others over the group, so that those bytes are fetched once per "
+        "group instead of once per rank (experts are read by the ranks that hold them). 'auto': for object "
+        "stores and network filesystems, where every rank fetches from the same shared storage; 'always': "
+        "for every source; 'never': each rank reads all it holds.")
     map_cached: bool = Field(True, description="host backend, local files, direct_io not 'always': "
                              "iter_tensors hands out tensors that are (mostly) in the page cache, and with "
                              "direct_io 'never' all of them, as views of a private mapping of the file (as "

