@@ -25,7 +25,8 @@ OLDEST_VLLM=0.29.0
 NEWEST_VLLM=0.33.0  # GPU build only
 SGLANG=0.5.23
 MAIN_SECOND=(tests/vllm/test_vllm_loader.py tests/vllm/test_multinode.py tests/vllm/test_ray_executor.py
-             tests/remote/test_vllm_s3.py tests/vllm/test_compat.py tests/vllm/test_loader_config.py)
+             tests/remote/test_vllm_s3.py tests/vllm/test_compat.py tests/vllm/test_loader_config.py
+             tests/vllm/test_data_parallel.py)
 source scripts/setup.sh
 scripts/setup-netsources.sh
 python -m ruff check vllm_fastload tgi_patch tests examples

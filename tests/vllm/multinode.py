@@ -115,7 +115,8 @@ def run_two_nodes(out_dir: Path, name: str, models: tuple[Path, Path], load_form
             _kill_group(node1)
         remove_logged_cpu_shm(logs[1])
     left = _left_behind(token)
-    found = {int(p.stem[4:]): json.loads(p.read_text()) for p in digests.glob("rank*.json")}
+    found = {int(p.stem[4:]): json.loads(p.read_text()) for p in digests.glob("rank*.json")
+             if p.stem[4:].isdigit()}  # (not rank<N>.loaded.json: before post-processing)
     log0 = head.pop("log", None) or logs[0].read_text(errors="replace")
     return TwoNodes(head=head, logs=(log0, logs[1].read_text(errors="replace")), node1_exit=node1_exit,
                     left_behind=left, digests=found)

@@ -1,5 +1,6 @@
 """Data parallelism with expert parallelism, started for real: vLLM's OpenAI server with
-``--data-parallel-size 2 --enable-expert-parallel`` on one machine, a tiny Mixtral with odd sizes.
+``--data-parallel-size 2 --enable-expert-parallel`` on one machine, and over two nodes (node 1
+headless, ``multinode.py``), a tiny Mixtral with odd sizes.
 Each data-parallel rank holds its own experts and the same attention, embeddings and norms; with
 ``dp_exchange`` the two read those once between them over vLLM's data-parallel group.
 
@@ -25,7 +26,7 @@ from vllm_fastload.tools.checkpoints import ModelSpec, write_checkpoint
 from vllm_fastload.tools.processes import remove_logged_cpu_shm
 from vllm_fastload.tools.servers import free_port
 
-from .multinode import _kill_group, _left_behind, node_env
+from .multinode import _kill_group, _left_behind, node_env, run_two_nodes
 
 pytestmark = pytest.mark.vllm
 
@@ -101,3 +102,33 @@ def test_a_rank_failing_during_the_exchange_ends_the_start_naming_it(moe, tmp_pa
     assert "rank 1 of the data-parallel group stopped loading, so the row exchange cannot go on" in log, log[-6000:]
     assert start["left_behind"] == [], start["left_behind"]
     assert not any(name.startswith("rank0") for name in start["digests"])  # rank 0 did not finish its load
+
+
+def test_two_nodes_one_replica_each_load_exactly_and_read_early_their_own_experts(moe, tmp_path):
+    """``--data-parallel-size 2 --data-parallel-size-local 1`` over two nodes (vLLM infers each
+    node's data-parallel rank from its node rank): each node's early reads are its replica's
+    experts and what both hold; each rank's parameters equal the default loader's."""
+    flags = ["--data-parallel-size", "2", "--data-parallel-size-local", "1", "--enable-expert-parallel"]
+    starts = {fmt: run_two_nodes(tmp_path, fmt, (moe, moe), fmt, flags=flags, server_prompts=[[1, 2, 3]],
+                                 extra={"dp_exchange": "always"} if fmt == "fastload" else None, timeout=400)
+              for fmt in ("safetensors", "fastload")}
+    for fmt, start in starts.items():
+        assert sorted(start.digests) == [0, 1], (fmt, start.logs[0][-3000:], start.logs[1][-3000:])
+        assert start.left_behind == [], start.left_behind
+        for rank in (0, 1):  # the weights as loaded too: post-processing may pack a weight away
+            assert (tmp_path / f"{fmt}-digests" / f"rank{rank}.loaded.json").exists()
+    for rank in (0, 1):
+        want, got = starts["safetensors"].digests[rank], starts["fastload"].digests[rank]
+        assert [p for p in want if got.get(p) != want[p]] == [], rank
+        loaded = [json.loads((tmp_path / f"{fmt}-digests" / f"rank{rank}.loaded.json").read_text())
+                  for fmt in ("safetensors", "fastload")]
+        assert [p for p in loaded[0] if loaded[1].get(p) != loaded[0][p]] == [], rank
+    for node, log in enumerate(starts["fastload"].logs):
+        early = re.search(r"fastload: early reads: \d+ checkpoint files \([\d.]+ of [\d.]+ GB: ([\d.]+) of the "
+                          r"checkpoint, [\d.]+ of its layers; node (\d) of 2 holds (.*?)\) into", log)
+        assert early, log[-4000:]
+        assert early.group(2) == str(node), early.group(0)
+        experts = "0-2" if node == 0 else "3-5"
+        assert f"data-parallel ranks {node} of 2, experts {experts} of 6" in early.group(3), early.group(0)
+        assert float(early.group(1)) < 0.75, early.group(0)  # not every expert
+        assert "tensors held alike read once among the 2 ranks of the data-parallel group" in log, log[-4000:]
