@@ -201,9 +201,11 @@ def _add_bench(sub: Any) -> None:
                         "the checkpoint from --source sshfs (a mount per node), s3 (a counting proxy per node) or "
                         "local (a copy per node); bytes each node pulls and each node's early reads "
                         "(--repeats, --loaders, --model, --out, --targets apply; targets: all, nodes-bytes, "
-                        "nodes-default, nodes-prefetch, nodes-early, nodes-cached)")
-    p.add_argument("--layout", default="pp", choices=["pp", "tp"],
-                   help="with --nodes 2: pp (two pipeline stages, one per node) or tp (TP=2 over the two nodes)")
+                        "nodes-default, nodes-prefetch, nodes-early, nodes-cached, nodes-dp-exchange)")
+    p.add_argument("--layout", default="pp", choices=["pp", "tp", "dp-ep"],
+                   help="with --nodes 2: pp (two pipeline stages, one per node), tp (TP=2 over the two nodes) or "
+                        "dp-ep (two data-parallel replicas of an MoE with expert parallelism, one per node; "
+                        "adds fastload-no-dp-exchange to the loaders)")
     p.add_argument("--machine", default="quiet", metavar="STATE",
                    help="what else runs during each start: quiet; busy (one spinning process per CPU beside it); "
                         "quota or quota=N (the start in a cgroup with a CPU quota of 1.5, or N, CPUs); "

@@ -88,6 +88,36 @@ def test_two_node_arguments_and_targets() -> None:
         multinode.parse_targets("nodes-bytez")
 
 
+def test_two_node_data_parallel_layout() -> None:
+    """``--layout dp-ep``: a replica of an MoE per node with expert parallelism, node 0 vLLM's
+    OpenAI server (``LLM(...)`` refuses data parallelism), node 1 headless; fastload without the
+    replicas' exchange measured beside, and judged against."""
+    from vllm_fastload.bench import multinode
+
+    args = build_parser().parse_args(["bench", "--nodes", "2", "--source", "s3", "--layout", "dp-ep"])
+    assert args.layout == "dp-ep"
+    layout = multinode.LAYOUTS["dp-ep"]
+    assert layout.ranks == 2 and multinode.LAYOUT_MODELS["dp-ep"] == "netfs-mixtral"
+    kwargs = {"nnodes": 2, **layout.kwargs()}
+    head = multinode._serve_command("/m", "fastload-no-dp-exchange", 1, {**kwargs, "port": 8123}, node_rank=0)
+    node1 = multinode._serve_command("/m", "fastload", 1, kwargs, node_rank=1)
+    assert head[1:3] == ["-m", "vllm.entrypoints.openai.api_server"] and "--headless" not in head
+    assert node1[1:4] == ["-m", "vllm_fastload.bench.start_vllm", "--headless"]
+    for cmd in (head, node1):
+        flags = " ".join(cmd)
+        assert "--data-parallel-size 2 --data-parallel-size-local 1 --enable-expert-parallel" in flags, flags
+    assert '"dp_exchange": "never"' in " ".join(head) and "--port 8123" in " ".join(head)
+    assert "--node-rank 0" in " ".join(head) and "--node-rank 1" in " ".join(node1)
+    fast = {"ranks": [{"rank": 0, "seconds": 2.0}, {"rank": 1, "seconds": 3.0}], "ready_s": 40.0,
+            "pulled": [600, 600], "early_layers": [None, None]}
+    alone = {**fast, "ranks": [{"rank": 0, "seconds": 5.0}, {"rank": 1, "seconds": 6.0}], "pulled": [900, 900]}
+    rows = multinode.summarize({"fastload": [fast], "fastload-no-dp-exchange": [alone]}, 1200)
+    got = {v["target"]: v for v in multinode.check(rows, multinode.parse_targets("nodes-dp-exchange,nodes-bytes"),
+                                                   "dp-ep")}
+    assert got["nodes-dp-exchange"]["ok"] and got["nodes-dp-exchange"]["value"] == pytest.approx(0.5)
+    assert got["nodes-bytes"]["value"] == pytest.approx(1.0)
+
+
 def test_bytes_an_sshfs_server_sent_are_counted_per_mount(local_checkpoint) -> None:
     """``netfs.served_bytes``: each mount's own server, counted on the server side (the benchmark's
     bytes per node); a file read through one mount counts there and not at the other."""

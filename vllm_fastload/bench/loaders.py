@@ -67,6 +67,8 @@ _TABLE = (
     # early reads, so that a cold start is still cold when the load begins.
     Loader("fastload-no-exchange", _FASTLOAD, _frozen(row_exchange="never", early_reads="never")),
     Loader("fastload-exchange", _FASTLOAD, _frozen(row_exchange="always", early_reads="never")),
+    # Data parallelism with expert parallelism: every replica reads what they hold alike itself.
+    Loader("fastload-no-dp-exchange", _FASTLOAD, _frozen(dp_exchange="never")),
     # The path through the model's load_weights (whole tensors from iter_tensors), which fastload
     # takes where its probe cannot describe a model's loading.
     Loader("fastload-whole", _FASTLOAD, _frozen(plan_per_rank=False)),

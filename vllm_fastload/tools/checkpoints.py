@@ -56,6 +56,9 @@ PRESETS: dict[str, ModelSpec] = {
     "bench-llama-6g": ModelSpec(**LLAMA3_8B, layers=10),
     # 0.31 GB: the network-filesystem benchmark (small, as sshfs over loopback is slow).
     "netfs-llama": ModelSpec(hidden=1024, intermediate=2816, layers=8, heads=16, kv_heads=4, vocab=32000),
+    # 0.43 GB: the two-node benchmark's MoE (``--layout dp-ep``): experts are 64% of it.
+    "netfs-mixtral": ModelSpec(arch="mixtral", hidden=1024, intermediate=1408, layers=4, heads=16, kv_heads=4,
+                               vocab=32000, experts=8),
 }
 
 _ARCHITECTURES = {
