@@ -220,11 +220,13 @@ def test_node_layout_of_experts_over_data_parallel_nodes(dp, local, start, tp, w
     from vllm.engine.arg_utils import EngineArgs
 
     from vllm_fastload.early import decide as core_early
-    from vllm_fastload.early.decide import node_share_of
+    from vllm_fastload.early.decide import _with_replicas, node_share_of
     from vllm_fastload.tools.checkpoints import ModelSpec, write_checkpoint
     from vllm_fastload.vllm_plugin.early import _settings
 
-    moe = write_checkpoint(tmp_path / "moe", ModelSpec(arch="mixtral", layers=4), files=2)
+    # (tensors larger than early reads' coalescing gap, so that a rank's blocks are read apart)
+    moe = write_checkpoint(tmp_path / "moe", ModelSpec(arch="mixtral", layers=4, hidden=512, intermediate=1024, heads=8,
+                                                       kv_heads=4, vocab=4000), files=2)
     dense = write_checkpoint(tmp_path / "dense", ModelSpec(arch="llama", layers=4), files=1, index=False)
     monkeypatch.setenv(core_early.STARTED_ENV, str(moe))  # building the configs below reads nothing early
 
@@ -241,14 +243,30 @@ def test_node_layout_of_experts_over_data_parallel_nodes(dp, local, start, tp, w
     assert start_settings.local_ranks == len(start_settings.layout.ranks) == local * tp
 
     files = sorted(str(f) for f in moe.glob("*.safetensors"))
-    shares = [node_share_of(files, settings(moe, local, first).layout) for first in (0, local)]
-    for share in shares:
-        headers = sum(r.spans[0][1] for r in share.ranges)
-        assert share.held < share.total and share.read <= (share.held + headers) * 1.05, share
-    covered = {r.path: list(r.spans) for r in shares[0].ranges}
-    for r in shares[1].ranges:
-        covered[r.path] = _merged(sorted(covered[r.path] + list(r.spans)))
-    assert all(spans == [(0, Path(path).stat().st_size)] for path, spans in covered.items()), covered
+    layouts = [settings(moe, local, first).layout for first in (0, local)]
+    assert all(layout is not None for layout in layouts)
+    # With dp_exchange (here on a local disk: 'always') each rank reads a block of the rows of
+    # what its group holds alike, and the node reads early those blocks of its ranks.
+    on_disk = [_with_replicas(layout, {}, files) for layout in layouts]
+    exchanged = [_with_replicas(layout, {"dp_exchange": "always"}, files) for layout in layouts]
+    assert [x.alike_in_blocks for x in on_disk] == [False, False] and all(x.alike_in_blocks for x in exchanged)
+    for chosen in (on_disk, exchanged):
+        shares = [node_share_of(files, layout) for layout in chosen]
+        for share in shares:
+            # what its ranks hold, and the gaps of up to 128 KiB read with it (policy.EARLY_READS_GAP: a
+            # larger share of this small checkpoint's tensors than of a real one's)
+            headers = sum(r.spans[0][1] for r in share.ranges)
+            assert share.held < share.total and share.read <= (share.held + headers) * 1.1, share
+        covered = {r.path: list(r.spans) for r in shares[0].ranges}
+        for r in shares[1].ranges:
+            covered[r.path] = _merged(sorted(covered[r.path] + list(r.spans)))
+        assert all(spans == [(0, Path(path).stat().st_size)] for path, spans in covered.items()), covered
+        if chosen is on_disk:
+            alone = [share.read for share in shares]
+    # together the nodes read the checkpoint about once (and the gaps), each less than without the blocks
+    total = sum(Path(f).stat().st_size for f in files)
+    assert all(share.read < read for share, read in zip(shares, alone))
+    assert sum(share.read for share in shares) <= total * 1.1, ([s.read for s in shares], total)
 
     assert settings(dense, local, start).layout is None  # dense: every data-parallel rank holds everything
     assert settings(moe, dp, 0).layout is None  # every data-parallel rank on this node

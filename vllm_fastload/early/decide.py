@@ -24,7 +24,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from vllm_fastload import machine, policy
@@ -107,7 +107,8 @@ def _start(start: EarlyStart, engine: str) -> None:
     total = sum(os.path.getsize(f) for f in files)
     scope = policy.early_scope(nodes=start.nodes, layout_known=start.layout is not None)
     policy.DecisionLog().note("early reads scope", scope, nodes=start.nodes)
-    share = node_share_of(files, start.layout) if scope is policy.EarlyScope.NODE and start.layout else None
+    layout = _with_replicas(start.layout, start.extra, files) if start.layout else None
+    share = node_share_of(files, layout) if scope is policy.EarlyScope.NODE and layout else None
     wanted = total if share is None else share.read
     memory = policy.early_reads_memory(wanted, machine.memory_limits())
     policy.DecisionLog().note("early reads memory", memory.fits, size=wanted, allowed=memory.allowed,
@@ -139,10 +140,24 @@ def _start(start: EarlyStart, engine: str) -> None:
         logger.info("fastload: early reads: %d checkpoint files (%.2f GB)%s into the page cache while %s starts%s "
                     "(%s)", len(files), total / 1e9, source, engine, every, limit)
         return
-    assert start.layout is not None
+    assert layout is not None
     logger.info("fastload: early reads: %d checkpoint files (%.2f of %.2f GB: %.3f of the checkpoint, %.3f of its "
                 "layers; %s)%s into the page cache while %s starts (%s)", len(files), share.read / 1e9, total / 1e9,
-                share.read / max(total, 1), share.layer_share, start.layout.describe(), source, engine, limit)
+                share.read / max(total, 1), share.layer_share, layout.describe(), source, engine, limit)
+
+
+def _with_replicas(layout: NodeLayout, extra: Mapping[str, Any], files: list[str]) -> NodeLayout:
+    """``layout``, its data-parallel ranks reading what they hold alike in blocks where the
+    loads will (``policy.replica_sharing`` on these files, as ``model.rank`` decides it)."""
+    from vllm_fastload.config import FastloadConfig
+
+    if max((r.dp_size for r in layout.ranks), default=1) < 2:
+        return layout
+    config = FastloadConfig.for_engine(extra)
+    network = any(machine.is_network(machine.filesystem_type(f)) for f in files)
+    offer = policy.replica_sharing(mode=config.dp_exchange, planned=config.plan_per_rank, remote=False,
+                                   network=network)
+    return replace(layout, alike_in_blocks=offer.offered)
 
 
 def node_share_of(files: list[str], layout: NodeLayout) -> NodeShare:

@@ -128,6 +128,9 @@ class NodeLayout:
     tied_embeddings: bool = False
     #: The multiple the engine pads a vocabulary to before splitting it among tensor-parallel ranks.
     vocab_padding: int = VOCAB_PADDING
+    #: The ranks of each data-parallel group read what they hold alike in blocks of rows, one
+    #: each (``dp_exchange``): a rank's part of such a tensor is its block (``model.exchange``).
+    alike_in_blocks: bool = False
 
     def describe(self) -> str:
         """What the node's ranks hold, for the early-reads log line."""
@@ -224,14 +227,20 @@ def _rank_part(name: str, info: TensorInfo, rank: RankHolding, layout: NodeLayou
     elif not rank.head:
         return ()
     dim = split_dim(name, len(info.shape)) if rank.tp_size > 1 and info.shape else None
-    if dim != 0:
+    if dim not in (None, 0) or not info.shape:
         return ((info.start, info.end),)
     rows = info.shape[0]
     row_bytes = info.nbytes // max(rows, 1)
-    padding = layout.vocab_padding if _module(name) in VOCAB else 1
-    block = ceil_div(ceil_div(rows, padding) * padding, rank.tp_size)
-    first = min(rows, rank.tp_rank * block)
-    last = min(rows, first + block)
+    first, last = 0, rows
+    if dim == 0:
+        padding = layout.vocab_padding if _module(name) in VOCAB else 1
+        block = ceil_div(ceil_div(rows, padding) * padding, rank.tp_size)
+        first = min(rows, rank.tp_rank * block)
+        last = min(rows, first + block)
+    if layout.alike_in_blocks and rank.dp_size > 1 and last - first >= rank.dp_size:
+        # its block of the rows every rank of its data-parallel group takes alike (as ``exchange._split_rows``)
+        count = last - first
+        first, last = first + count * rank.dp_rank // rank.dp_size, first + count * (rank.dp_rank + 1) // rank.dp_size
     return ((info.start + first * row_bytes, info.start + last * row_bytes),)
 
 

@@ -9,8 +9,8 @@ reads a contiguous block of whole rows (``row_requests``) and, once a layer is d
 byte is fetched once in the group, in large reads.
 
 The same machinery serves replicas (``agree_replicas``): ranks that each need the same slice of a
-tensor (the data-parallel ranks of an MoE under expert parallelism hold the same attention,
-embeddings and norms) each read a block of its rows, and send every other rank the whole block.
+tensor (the data-parallel ranks of an MoE hold the same attention, embeddings and norms) each
+read a block of its rows, and send every other rank the whole block.
 Every byte of what they hold alike is fetched once among them, not once per rank.
 
 Engine-independent: the ranks talk through ``Collectives``, over any ``torch.distributed

@@ -85,7 +85,7 @@ def load_rank(model: nn.Module, path: str | list[str], config: FastloadConfig, *
     checkpoint that does not match the model (``model.coverage``); False where the engine splits
     tensors beyond the group by design (experts spread over data-parallel ranks).
     ``replicas``: the collectives of the ranks that hold what this rank holds, its experts aside
-    (the data-parallel group of an MoE under expert parallelism; every rank of it must call this):
+    (the data-parallel group of an MoE at data parallelism > 1; every rank of it must call this):
     what they need alike they read once among them (``dp_exchange``, ``exchange.agree_replicas``).
     """
     decisions = policy.DecisionLog()  # this load's decisions, each logged once
@@ -154,7 +154,7 @@ class _Load:
     def read_planned(self, ckpt: FastCheckpoint, probe: ProbeResult, infos: dict[str, TensorInfo]) -> _Outcome:
         """This rank's bytes read into the parameters by its plan, the rest replayed."""
         _check_fully_written(probe, ckpt.source)
-        if self.world == 1:
+        if self.world == 1 and self.group_takes_all:
             _check_fully_used(probe, infos)
         grouped = self.sharing.collectives is not None and self.group_takes_all
         uses = coverage.uses(probe.placements, infos) if grouped else None

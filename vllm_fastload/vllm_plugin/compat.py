@@ -191,11 +191,13 @@ def dp_group() -> Any | None:
         return None
 
 
-def experts_beyond_tp_group(parallel: Any) -> bool:
-    """Whether expert parallelism spreads experts over data-parallel ranks as well as the
-    tensor-parallel group (``--enable-expert-parallel`` with ``--data-parallel-size`` > 1)."""
-    return bool(getattr(parallel, "enable_expert_parallel", False)) and \
-        int(getattr(parallel, "data_parallel_size", 1) or 1) > 1
+def experts_beyond_tp_group(vllm_config: Any) -> bool:
+    """Whether vLLM spreads an MoE's experts over the data-parallel ranks as well as the
+    tensor-parallel group: at ``--data-parallel-size`` > 1 it does, with expert parallelism (each
+    rank its own experts) and without (each rank a slice of every expert: ``FusedMoEParallelConfig``
+    splits experts over ``dp * tp`` ranks). A dense model's replicas are independent."""
+    experts = int(vllm_config.model_config.get_num_experts() or 0)
+    return experts > 0 and int(getattr(vllm_config.parallel_config, "data_parallel_size", 1) or 1) > 1
 
 
 # -- object storage ----------------------------------------------------------------------------

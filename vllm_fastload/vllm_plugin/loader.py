@@ -51,14 +51,14 @@ class FastloadModelLoader(BaseModelLoader):
         #: Where this rank's reader threads run, while ``load_model`` runs (see ``cpus``).
         self._cpus: tuple[int, ...] | None = None
         #: Whether the tensor-parallel group's ranks together take each tensor they use whole:
-        #: not where expert parallelism spreads experts over data-parallel ranks too.
+        #: not where an MoE's experts spread over data-parallel ranks too.
         self._group_takes_all = True
 
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
         load_device = vllm_config.load_config.device or vllm_config.device_config.device
         self._post_device = torch.device(load_device)
         self._cpus = None if self.config.is_set("cpus") else reader_cpus()
-        self._group_takes_all = not compat.experts_beyond_tp_group(vllm_config.parallel_config)
+        self._group_takes_all = not compat.experts_beyond_tp_group(vllm_config)
         try:
             return super().load_model(vllm_config, model_config, prefix=prefix)
         finally:
