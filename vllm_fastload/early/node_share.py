@@ -237,7 +237,7 @@ def _rank_part(name: str, info: TensorInfo, rank: RankHolding, layout: NodeLayou
         block = ceil_div(ceil_div(rows, padding) * padding, rank.tp_size)
         first = min(rows, rank.tp_rank * block)
         last = min(rows, first + block)
-    if layout.alike_in_blocks and rank.dp_size > 1 and last - first >= rank.dp_size:
+    if layout.alike_in_blocks and rank.dp_size > 1 and expert is None and last - first >= rank.dp_size:
         # its block of the rows every rank of its data-parallel group takes alike (as ``exchange._split_rows``)
         count = last - first
         first, last = first + count * rank.dp_rank // rank.dp_size, first + count * (rank.dp_rank + 1) // rank.dp_size

@@ -319,18 +319,25 @@ class RowExchange:
         if s is None:
             return False
         block = s.rows[self.rank]
-        outgoing = []
-        for q in range(self.world):
-            piece = rows if s.dim is None else rows.narrow(s.dim, s.columns[q].start, s.columns[q].length)
-            if q == self.rank:
-                self.dests[s.name].narrow(0, block.start, block.length).copy_(piece)
-            else:
-                nbytes = piece.numel() * piece.element_size()
-                owned = torch.empty(_padded(nbytes), dtype=torch.uint8)
-                owned[:nbytes].view(piece.dtype).view(piece.shape).copy_(piece)
-                outgoing.append(owned)
-        self._outgoing[s.name] = outgoing
+        self.dests[s.name].narrow(0, block.start, block.length).copy_(self._piece(s, rows, self.rank))
+        if s.dim is None:  # replicas: every other rank gets the whole block, one copy for all
+            self._outgoing[s.name] = [self._owned(rows)] * (self.world - 1)
+        else:
+            self._outgoing[s.name] = [self._owned(self._piece(s, rows, q)) for q in range(self.world) if q != self.rank]
         return True
+
+    @staticmethod
+    def _piece(s: SharedTensor, rows: torch.Tensor, rank: int) -> torch.Tensor:
+        """What ``rank`` keeps of ``rows``: its columns, or (replicas) all of them."""
+        return rows if s.dim is None else rows.narrow(s.dim, s.columns[rank].start, s.columns[rank].length)
+
+    @staticmethod
+    def _owned(piece: torch.Tensor) -> torch.Tensor:
+        """A host copy of ``piece``, padded to ``PIECE_ALIGN`` bytes, as the swap sends it."""
+        nbytes = piece.numel() * piece.element_size()
+        owned = torch.empty(_padded(nbytes), dtype=torch.uint8)
+        owned[:nbytes].view(piece.dtype).view(piece.shape).copy_(piece)
+        return owned
 
     def layer_done(self, group: LayerGroup) -> None:
         """Swap the columns of the layer's shared tensors: one ``all_to_all`` for the layer."""

@@ -241,14 +241,16 @@ def _load_planned(ckpt: FastCheckpoint, reads: RankReads, sharings: tuple[_Shari
     if sharing.uses is not None:  # every rank has the same uses, so every rank raises alike
         coverage.check_taken_whole(sharing.uses, ckpt.tensors, reads.writes,
                                    f"{len(sharing.uses)} ranks of the tensor-parallel group")
-    if swap is not None:
-        targets = {req: dest for req, dest in targets.items() if not swap.owns(req)}
-    replica_swap = alike.agree(targets)
-    hooks.swaps = [s for s in (swap, replica_swap) if s is not None]
-    for agreed in hooks.swaps:
-        targets = {req: dest for req, dest in targets.items() if not agreed.owns(req)}
-        slabs += agreed.row_requests()
-    try:
+    hooks.swaps = [swap] if swap is not None else []
+    try:  # from here a failure tells the ranks of each exchange agreed on (``abort``)
+        if swap is not None:
+            targets = {req: dest for req, dest in targets.items() if not swap.owns(req)}
+        replica_swap = alike.agree(targets)
+        if replica_swap is not None:
+            hooks.swaps.append(replica_swap)
+        for agreed in hooks.swaps:
+            targets = {req: dest for req, dest in targets.items() if not agreed.owns(req)}
+            slabs += agreed.row_requests()
         stats = ckpt.read_into(targets, extra=slabs, hooks=hooks)
     except BaseException as exc:
         for agreed in hooks.swaps:

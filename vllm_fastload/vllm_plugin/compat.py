@@ -191,6 +191,13 @@ def dp_group() -> Any | None:
         return None
 
 
+def elastic_data_parallel(parallel: Any) -> bool:
+    """Whether vLLM may add or remove data-parallel ranks while it serves (``--enable-elastic-ep``):
+    its data-parallel group is then a group of its own making, and a rank that joins later would
+    wait for an agreement the others made when they started."""
+    return bool(getattr(parallel, "enable_elastic_ep", False))
+
+
 def experts_beyond_tp_group(vllm_config: Any) -> bool:
     """Whether vLLM spreads an MoE's experts over the data-parallel ranks as well as the
     tensor-parallel group: at ``--data-parallel-size`` > 1 it does, with expert parallelism (each

@@ -53,18 +53,23 @@ class FastloadModelLoader(BaseModelLoader):
         #: Whether the tensor-parallel group's ranks together take each tensor they use whole:
         #: not where an MoE's experts spread over data-parallel ranks too.
         self._group_takes_all = True
+        #: Whether the ranks of vLLM's data-parallel group hold alike what is not their experts,
+        #: and may read it once among them (``dp_exchange``).
+        self._replicas = False
 
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
         load_device = vllm_config.load_config.device or vllm_config.device_config.device
         self._post_device = torch.device(load_device)
         self._cpus = None if self.config.is_set("cpus") else reader_cpus()
         self._group_takes_all = not compat.experts_beyond_tp_group(vllm_config)
+        self._replicas = not self._group_takes_all and not compat.elastic_data_parallel(vllm_config.parallel_config)
         try:
             return super().load_model(vllm_config, model_config, prefix=prefix)
         finally:
             self._post_device = None
             self._cpus = None
             self._group_takes_all = True
+            self._replicas = False
 
     # -- BaseModelLoader --------------------------------------------------------------------
     def download_model(self, model_config: ModelConfig) -> None:
@@ -91,7 +96,7 @@ class FastloadModelLoader(BaseModelLoader):
                            rank=rank, world=world, collectives=_collectives(compat.tp_group()),
                            show_progress=self.config.progress and rank == 0, listener=post, rank_cpus=self._cpus,
                            group_takes_all=self._group_takes_all,
-                           replicas=None if self._group_takes_all else _collectives(compat.dp_group()))
+                           replicas=_collectives(compat.dp_group()) if self._replicas else None)
         if post is not None:
             report = dataclasses.replace(report, post_processed=post.processed)
         logger.info("%s", report.line())
