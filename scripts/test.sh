@@ -14,9 +14,12 @@
 # Most of the suite's time is engine starts, and most of a start is one process importing vLLM
 # while the next waits for it: one core busy. So the suite runs as two pytest sessions side by
 # side (MAIN_SECOND: the files of the second, whose vLLM starts share their default-loader
-# references; the first runs every other file), the other two environments are set up meanwhile,
-# and the runs against vLLM 0.29 and SGLang then go side by side too. Each session's output is
-# printed whole as it ends; the script fails if any failed.
+# references, and the fault-injection starts, so that the two take about as long; the first runs
+# every other file), the environments of vLLM 0.29 and SGLang are set up meanwhile, and the runs
+# against vLLM 0.29, vLLM 0.33 and SGLang then go side by side too. The vLLM 0.33 environment
+# (10 GB written) is set up before the sessions, not beside them: writing that much beside engine
+# starts stalls them on the page cache. Each session's output is printed whole as it ends, with
+# the seconds since the script started; the script fails if any failed.
 # Extra arguments go to one pytest of the whole suite instead, and with them the other runs are
 # left out (say so: it is printed).
 set -euo pipefail
@@ -26,7 +29,7 @@ NEWEST_VLLM=0.33.0  # GPU build only
 SGLANG=0.5.23
 MAIN_SECOND=(tests/vllm/test_vllm_loader.py tests/vllm/test_multinode.py tests/vllm/test_ray_executor.py
              tests/remote/test_vllm_s3.py tests/vllm/test_compat.py tests/vllm/test_loader_config.py
-             tests/vllm/test_data_parallel.py)
+             tests/vllm/test_faults_vllm.py)
 source scripts/setup.sh
 scripts/setup-netsources.sh
 python -m ruff check vllm_fastload tgi_patch tests examples
@@ -53,17 +56,18 @@ failed=()
 finish() {
   local pid_var="pid_$1" code=0
   wait "${!pid_var}" || code=$?
-  echo "== $2 (exit $code)"; cat "$logs/$1.log"
+  echo "== $2 (exit $code, ${SECONDS} s into the run)"; cat "$logs/$1.log"
   [ "$code" = 0 ] || failed+=("$2")
 }
 
 oldest="$PWD/.venv-vllm-${OLDEST_VLLM%.*}"
 sglang_env="$PWD/.venv-sglang"
 newest="$PWD/.venv-vllm-${NEWEST_VLLM%.*}"
+FASTLOAD_DEV_VENV="$newest" FASTLOAD_DEV_VLLM_GPU_BUILD="$NEWEST_VLLM" bash -c 'source scripts/setup.sh'
+echo "== set up $newest (${SECONDS} s into the run)"
 in_background setups bash -ec "
   FASTLOAD_DEV_VENV='$oldest' FASTLOAD_DEV_VENV_BASE='$PWD/.venv' FASTLOAD_DEV_VLLM='$OLDEST_VLLM' bash -c 'source scripts/setup.sh'
-  FASTLOAD_DEV_VENV='$sglang_env' FASTLOAD_DEV_VENV_BASE='$PWD/.venv' FASTLOAD_DEV_SGLANG='$SGLANG' bash -c 'source scripts/setup.sh'
-  FASTLOAD_DEV_VENV='$newest' FASTLOAD_DEV_VLLM_GPU_BUILD='$NEWEST_VLLM' bash -c 'source scripts/setup.sh'"
+  FASTLOAD_DEV_VENV='$sglang_env' FASTLOAD_DEV_VENV_BASE='$PWD/.venv' FASTLOAD_DEV_SGLANG='$SGLANG' bash -c 'source scripts/setup.sh'"
 ignored=()
 for f in "${MAIN_SECOND[@]}"; do ignored+=(--ignore "$f"); done
 # (their own temporary roots: short paths, as vLLM's sockets there need)
@@ -71,7 +75,7 @@ in_background first python -m pytest -rs --durations=25 --basetemp="$logs/a" "${
 in_background second python -m pytest -rs --durations=25 --basetemp="$logs/b" "${MAIN_SECOND[@]}"
 finish first "the suite, all but ${MAIN_SECOND[*]}"
 finish second "the suite: ${MAIN_SECOND[*]}"
-finish setups "setting up $oldest, $sglang_env and $newest"
+finish setups "setting up $oldest and $sglang_env"
 if [ ${#failed[@]} -eq 0 ]; then
   in_background oldest env FASTLOAD_DEV_TEST_NO_SKIPS=1 FASTLOAD_DEV_TEST_VLLM="$OLDEST_VLLM" \
     "$oldest/bin/python" -m pytest -rs --basetemp="$logs/c" -m core tests/vllm

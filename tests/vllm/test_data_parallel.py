@@ -73,13 +73,23 @@ def moe(tmp_path_factory) -> Path:
     return write_checkpoint(tmp_path_factory.mktemp("dp") / "moe", SPEC, files=2)
 
 
+@pytest.fixture(scope="module")
+def default_ep(moe, tmp_path_factory) -> dict:
+    """The default loader's start at DP=2 with EP: the reference of the one-node and the two-node
+    fastload starts (a rank's parameters depend on its data-parallel rank, not on its node)."""
+    start = _serve_dp2(tmp_path_factory.mktemp("default-ep"), "default", moe, "safetensors", None)
+    assert len(start["digests"]) == 4 and start["left_behind"] == [], (sorted(start["digests"]), start["log"][-4000:])
+    return start
+
+
 @pytest.mark.parametrize(("ep", "tp"), [(True, 1), (False, 2)], ids=["ep", "no-ep-tp2"])
-def test_ranks_read_what_they_hold_alike_once_and_load_exactly(moe, tmp_path, ep, tp):
+def test_ranks_read_what_they_hold_alike_once_and_load_exactly(moe, tmp_path, request, ep, tp):
     """With expert parallelism each rank holds 3 of the 6 experts; without, vLLM splits every
     expert over the ``dp * tp`` ranks (so the tensor-parallel group of a replica takes only half of
     each: no checkpoint error for that); either way what else the ranks hold is alike across the
     data-parallel group."""
-    default = _serve_dp2(tmp_path, "default", moe, "safetensors", None, ep, tp)
+    default = request.getfixturevalue("default_ep") if ep else _serve_dp2(tmp_path, "default", moe, "safetensors",
+                                                                          None, ep, tp)
     fast = _serve_dp2(tmp_path, "fastload", moe, "fastload", {"dp_exchange": "always"}, ep, tp)
     ranks = 2 * tp
     for start in (default, fast):
@@ -113,26 +123,23 @@ def test_a_rank_failing_during_the_exchange_ends_the_start_naming_it(moe, tmp_pa
     assert not any(name.startswith("rank0") for name in start["digests"])  # rank 0 did not finish its load
 
 
-def test_two_nodes_one_replica_each_load_exactly_and_read_early_their_own_experts(moe, tmp_path):
+def test_two_nodes_one_replica_each_load_exactly_and_read_early_their_own_experts(moe, tmp_path, default_ep):
     """``--data-parallel-size 2 --data-parallel-size-local 1`` over two nodes (vLLM infers each
     node's data-parallel rank from its node rank): each node's early reads are its replica's
-    experts and what both hold; each rank's parameters equal the default loader's."""
+    experts and what both hold; each rank's parameters, as loaded and after post-processing, equal
+    the default loader's at the same layout."""
     flags = ["--data-parallel-size", "2", "--data-parallel-size-local", "1", "--enable-expert-parallel"]
-    starts = {fmt: run_two_nodes(tmp_path, fmt, (moe, moe), fmt, flags=flags, server_prompts=[[1, 2, 3]],
-                                 extra={"dp_exchange": "always"} if fmt == "fastload" else None, timeout=400)
-              for fmt in ("safetensors", "fastload")}
-    for fmt, start in starts.items():
-        assert sorted(start.digests) == [0, 1], (fmt, start.logs[0][-3000:], start.logs[1][-3000:])
-        assert start.left_behind == [], start.left_behind
-        for rank in (0, 1):  # the weights as loaded too: post-processing may pack a weight away
-            assert (tmp_path / f"{fmt}-digests" / f"rank{rank}.loaded.json").exists()
-    for rank in (0, 1):
-        want, got = starts["safetensors"].digests[rank], starts["fastload"].digests[rank]
-        assert [p for p in want if got.get(p) != want[p]] == [], rank
-        loaded = [json.loads((tmp_path / f"{fmt}-digests" / f"rank{rank}.loaded.json").read_text())
-                  for fmt in ("safetensors", "fastload")]
-        assert [p for p in loaded[0] if loaded[1].get(p) != loaded[0][p]] == [], rank
-    for node, log in enumerate(starts["fastload"].logs):
+    start = run_two_nodes(tmp_path, "fastload", (moe, moe), "fastload", flags=flags, server_prompts=[[1, 2, 3]],
+                          extra={"dp_exchange": "always"}, timeout=400)
+    assert sorted(start.digests) == [0, 1], (start.logs[0][-3000:], start.logs[1][-3000:])
+    assert start.left_behind == [], start.left_behind
+    for rank in (0, 1):  # the weights as loaded too: post-processing may pack a weight away
+        for suffix in ("", ".loaded"):
+            want = default_ep["digests"][f"rank{rank}{suffix}.json"]
+            got = json.loads((tmp_path / "fastload-digests" / f"rank{rank}{suffix}.json").read_text())
+            assert got.keys() == want.keys(), rank
+            assert [p for p in want if got[p] != want[p]] == [], (rank, suffix)
+    for node, log in enumerate(start.logs):
         early = re.search(r"fastload: early reads: \d+ checkpoint files \([\d.]+ of [\d.]+ GB: ([\d.]+) of the "
                           r"checkpoint, [\d.]+ of its layers; node (\d) of 2 holds (.*?)\) into", log)
         assert early, log[-4000:]

@@ -172,29 +172,31 @@ class CountingProxy(LoopbackServer):
                     conn.close()
                     self._upstream = None
                     raise
+                # counted before the client has it, so a caller that has its answer reads the count
+                with proxy._lock:
+                    proxy.requests += 1
                 self.send_response(resp.status, resp.reason)
                 streamed = resp.getheader("Content-Length") is not None
                 for key, value in resp.getheaders():
                     if key.lower() not in _HOP and (streamed or key.lower() != "content-length"):
                         self.send_header(key, value)
-                sent = 0
                 if streamed:  # forwarded as it arrives, in 1 MiB pieces
                     self.end_headers()
                     while self.command != "HEAD" and (piece := resp.read(1 << 20)):
-                        self.wfile.write(piece)
-                        sent += len(piece)
+                        self._send(piece)
                     resp.read()  # a HEAD's (empty) body too: the upstream connection is reused
                 else:
                     data = resp.read()
                     self.send_header("Content-Length", str(len(data)))
                     self.end_headers()
                     if self.command != "HEAD":
-                        self.wfile.write(data)
-                        sent = len(data)
-                with proxy._lock:
-                    proxy.requests += 1
-                    if self.command == "GET":
-                        proxy.bytes += sent
+                        self._send(data)
+
+            def _send(self, piece: bytes) -> None:
+                if self.command == "GET":
+                    with proxy._lock:
+                        proxy.bytes += len(piece)
+                self.wfile.write(piece)
 
             do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _forward
 
