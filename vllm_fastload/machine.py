@@ -261,10 +261,25 @@ class CpuQuota:
     #: The cgroup's path as ``/proc/self/cgroup`` spells it.
     where: str
     cpus: float
+    #: The group's directory, where its ``cpu.stat`` counts the time the quota held it back.
+    directory: str
 
     def describe(self) -> str:
         """E.g. "cgroup v2 CPU quota of 1.50 CPUs at /kubepods/pod7"."""
         return f"{self.kind} CPU quota of {self.cpus:.2f} CPUs at {self.where}"
+
+
+def throttled_s(directory: str) -> float | None:
+    """Seconds a cgroup's CPU quota has held its processes back so far (``cpu.stat``: v2
+    ``throttled_usec``, v1 ``throttled_time`` in ns); None where the group does not say."""
+    try:
+        with open(os.path.join(directory, "cpu.stat")) as f:
+            stat = dict(line.split(None, 1) for line in f if line.strip())
+        if "throttled_usec" in stat:
+            return int(stat["throttled_usec"]) / 1e6
+        return int(stat["throttled_time"]) / 1e9
+    except (OSError, KeyError, ValueError):
+        return None
 
 
 def cpu_quota(root: str = "/") -> CpuQuota | None:
@@ -281,7 +296,7 @@ def cpu_quota(root: str = "/") -> CpuQuota | None:
         for directory, shown in _levels(os.path.join(root, mount_point.lstrip("/")), mount_root, path):
             cpus = _v2_quota(directory) if version == 2 else _v1_quota(directory)
             if cpus is not None:
-                quotas.append(CpuQuota(f"cgroup v{version}", shown, cpus))
+                quotas.append(CpuQuota(f"cgroup v{version}", shown, cpus, directory))
     return min(quotas, key=lambda q: q.cpus, default=None)
 
 

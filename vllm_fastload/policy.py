@@ -109,6 +109,12 @@ EARLY_READS_GAP = 128 << 10
 #: start-up with no idle time from a busy moment, short against its seconds before the load.
 EARLY_READS_STARVED_S = 1.0
 
+#: Seconds early reads pause once the CPU quota over them has held its group back since they last
+#: looked (two of the kernel's default 100 ms CFS periods), and again for as long as it goes on doing
+#: so: idle CPU priority keeps them off CPUs the engine wants, but not off the quota they share with
+#: it, and each CPU second they spend at the quota is one the engine's start-up waits.
+EARLY_READS_QUOTA_PAUSE_S = 0.2
+
 #: Early reads let go of the files they hold when less than this share of a memory limit (the
 #: machine's, a cgroup's) is free under it: the page cache they pin is then better left to what
 #: the engine needs.
@@ -591,6 +597,49 @@ def early_reads_memory(size: int, limits: Iterable[H]) -> EarlyReadsMemory[H]:
     lowest = min(limits, key=lambda limit: limit.free)
     allowed = int(lowest.free * EARLY_READS_MEMORY_SHARE)
     return EarlyReadsMemory(size <= allowed, lowest, allowed)
+
+
+class Quota(Protocol):
+    """A CPU quota as ``early_reads_pacing`` sees it (``machine.CpuQuota``)."""
+
+    @property
+    def directory(self) -> str:
+        """The cgroup whose ``cpu.stat`` counts the time the quota held it back."""
+
+
+@dataclass(frozen=True)
+class EarlyReadsPacing:
+    """Whether early reads pause while a CPU quota over them holds their group back."""
+
+    #: The cgroup directory they watch (its ``cpu.stat``); None: no quota over them, nothing to pace.
+    group: str | None
+    #: Seconds of one pause (``EARLY_READS_QUOTA_PAUSE_S``).
+    pause_s: float = 0.0
+
+
+def early_reads_pacing(quota: Quota | None) -> EarlyReadsPacing:
+    """Early reads under a CPU quota (``machine.cpu_quota``, the lowest over the process: the
+    group the engine's processes share it in) pause whenever it has held the group back since
+    they last looked (``early_reads_pause``); with no quota, idle CPU priority alone keeps them off
+    the engine's CPU time."""
+    if quota is None:
+        return EarlyReadsPacing(None)
+    return EarlyReadsPacing(quota.directory, EARLY_READS_QUOTA_PAUSE_S)
+
+
+def early_reads_pause(pacing: EarlyReadsPacing, throttled_before_s: float | None,
+                      throttled_now_s: float | None) -> float:
+    """Seconds to pause before reading on: ``pacing.pause_s`` where the quota held the group back
+    between two looks at its throttled time, else none (nor where the group does not say).
+
+    Example:
+        >>> paced = EarlyReadsPacing("/sys/fs/cgroup/cpu/job", 0.2)
+        >>> early_reads_pause(paced, 1.5, 1.6), early_reads_pause(paced, 1.6, 1.6)
+        (0.2, 0.0)
+    """
+    if throttled_before_s is None or throttled_now_s is None:
+        return 0.0
+    return pacing.pause_s if throttled_now_s > throttled_before_s else 0.0
 
 
 class EarlyScope(str, enum.Enum):

@@ -28,7 +28,7 @@ def test_cgroupfs_layout_v2_the_lowest_quota_of_the_group_and_its_ancestors(tmp_
     root = _layout(tmp_path, cgroup="0::/kubepods/pod7/ctr\n", mountinfo=MOUNTS_V2,
                    files={f"{pod}/cpu.max": "250000 100000\n", f"{pod}/ctr/cpu.max": "max 100000\n",
                           "sys/fs/cgroup/kubepods/cpu.max": "800000 100000\n"})
-    assert cpu_quota(str(root)) == CpuQuota("cgroup v2", "/kubepods/pod7", 2.5)
+    assert cpu_quota(str(root)) == CpuQuota("cgroup v2", "/kubepods/pod7", 2.5, str(root / pod))
     assert cpu_quota(str(root)).describe() == "cgroup v2 CPU quota of 2.50 CPUs at /kubepods/pod7"
 
 
@@ -44,7 +44,8 @@ def test_cgroupfs_layout_v1_a_quota_on_the_group(tmp_path: Path):
     root = _layout(tmp_path, cgroup="3:cpu,cpuacct:/docker/abc\n", mountinfo=MOUNTS_V1,
                    files={"sys/fs/cgroup/cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "75000\n",
                           "sys/fs/cgroup/cpu,cpuacct/docker/abc/cpu.cfs_period_us": "50000\n"})
-    assert cpu_quota(str(root)) == CpuQuota("cgroup v1", "/docker/abc", 1.5)
+    assert cpu_quota(str(root)) == CpuQuota("cgroup v1", "/docker/abc", 1.5,
+                                            str(root / "sys/fs/cgroup/cpu,cpuacct/docker/abc"))
 
 
 PROBE = "from vllm_fastload import machine; import json; q = machine.cpu_quota(); " \

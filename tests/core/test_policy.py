@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import pytest
 
@@ -325,3 +326,15 @@ def test_advise_whole_span(span, needed, want) -> None:
 def test_sample_for_holes(span, want) -> None:
     assert policy.sample_for_holes(span=span, page=4096) is want
 
+
+
+@pytest.mark.parametrize("quota,before,now,want", [
+    (None, 1.0, 2.0, 0.0),  # no quota: idle priority alone keeps the reads off the engine's CPU time
+    ("/g", 1.0, 2.0, policy.EARLY_READS_QUOTA_PAUSE_S),  # held back since the last look: pause
+    ("/g", 2.0, 2.0, 0.0),  # not held back: read on
+    ("/g", None, 2.0, 0.0), ("/g", 1.0, None, 0.0),  # the group does not say: read on
+])
+def test_early_reads_pause_only_while_their_quota_holds_the_group_back(quota, before, now, want) -> None:
+    pacing = policy.early_reads_pacing(None if quota is None else SimpleNamespace(directory=quota))
+    assert pacing.group == quota
+    assert policy.early_reads_pause(pacing, before, now) == want

@@ -103,12 +103,7 @@ class Contention:
 
     def throttled_s(self) -> float | None:
         """Seconds the start's processes were held back by the quota (None: no quota)."""
-        if self.cpu is None:
-            return None
-        stat = self.cpu.stat("cpu.stat")
-        if "throttled_usec" in stat:  # cgroup v2
-            return stat["throttled_usec"] / 1e6
-        return stat.get("throttled_time", 0) / 1e9
+        return None if self.cpu is None else machine.throttled_s(str(self.cpu.path))
 
     def memory_peak(self) -> int | None:
         """The most memory the start's group held at once, page cache included (None: no group)."""
@@ -163,15 +158,6 @@ class _Group:
             yield group
         finally:
             group._remove()
-
-    def stat(self, file: str) -> dict[str, int]:
-        """A ``key value`` file of the group as numbers."""
-        out = {}
-        for line in (self.path / file).read_text().splitlines():
-            key, _, value = line.partition(" ")
-            if value.strip().isdigit():
-                out[key] = int(value)
-        return out
 
     def number(self, file: str) -> int | None:
         """A one-number file of the group (None: not there)."""

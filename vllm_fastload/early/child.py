@@ -11,7 +11,10 @@ all (SGLang's, whose processes keep every core busy until the load), idle priori
 reads and they have not finished when the load begins; with ``starved_s`` the process leaves idle
 priority once it has waited that long for a CPU and reads on as a batch job (``SCHED_BATCH``: a
 fair share, never preempting the start-up's processes as it wakes). Reading costs little CPU (the
-kernel fills the pages; the process touches each once), so that share is small.
+kernel fills the pages; the process touches each once), so that share is small. Under a CPU quota
+(a container's CPU limit) idle priority is not enough: the reads spend the quota the engine's
+processes share, however idle the CPUs are; so with ``pacing`` the process pauses between chunks
+whenever the quota has held its group back since it last looked (``policy.early_reads_pause``).
 
 Each file is mapped and populated ``policy.EARLY_READS_CHUNK`` bytes at a time
 (``madvise(MADV_POPULATE_READ)``: the kernel reads the pages in, nothing is copied into the
@@ -63,7 +66,8 @@ def _serve(request: dict[str, Any]) -> None:
     _run_when_idle()
     start = time.perf_counter()
     starved = _Starved(request.get("starved_s"), start)
-    paths, total = request["paths"], request["total"]
+    paced = _Paced(policy.EarlyReadsPacing(*request["pacing"]) if request.get("pacing") else None)
+    paths = request["paths"]
     hold = None if request["marks"] is None else LoadMarks(request["marks"][1], directory=request["marks"][0])
     held: list[_Mapping] = []
     why = "every load it was read for has ended"
@@ -72,21 +76,20 @@ def _serve(request: dict[str, Any]) -> None:
         return bool(os.getppid() != parent)
 
     try:
-        def stop() -> bool:
-            starved.check()  # (between two chunks: where it may leave idle priority)
+        def load_began() -> bool:
             return orphaned() or (hold is not None and hold.started())
+
+        def stop() -> bool:
+            starved.check()  # (between two chunks: where it may leave idle priority, or pause)
+            paced.wait(load_began)
+            return load_began()
 
         spans = request.get("spans") or {}
         held, read, files, stopped = _read_in(paths, hold=hold is not None, stop=stop, spans=spans)
-        if stopped:
-            _report("fastload: early reads: stopped after %.2f s, when the load began; %.2f of %.2f GB read early",
-                    time.perf_counter() - start, read / 1e9, total / 1e9)
-        elif spans:
-            _report("fastload: early reads: %d of %d files in the page cache after %.2f s (%.2f GB: the ranges "
-                    "of them this node's ranks read)", files, len(paths), time.perf_counter() - start, read / 1e9)
-        else:
-            _report("fastload: early reads: %d of %d files in the page cache after %.2f s", files, len(paths),
-                    time.perf_counter() - start)
+        _report_reads(request, time.perf_counter() - start, read, files, stopped)
+        if paced.paused_s:
+            _report("fastload: early reads: paused %.1f s in all while the %s held the start back",
+                    paced.paused_s, request["pacing_quota"])
         _run_normally()  # only sleeps and lists a directory from now on: let it notice the marks on time
         deadline = time.monotonic() + request["hold_s"]
         while hold is not None and held and not hold.all_done():
@@ -109,6 +112,18 @@ def _serve(request: dict[str, Any]) -> None:
             _report("fastload: early reads: files released after %.2f s, %d of %d loads done (%s)",
                     time.perf_counter() - start, hold.done(), hold.expected, why)
             hold.remove()
+
+
+def _report_reads(request: dict[str, Any], seconds: float, read: int, files: int, stopped: bool) -> None:
+    paths = request["paths"]
+    if stopped:
+        _report("fastload: early reads: stopped after %.2f s, when the load began; %.2f of %.2f GB read early",
+                seconds, read / 1e9, request["total"] / 1e9)
+    elif request.get("spans"):
+        _report("fastload: early reads: %d of %d files in the page cache after %.2f s (%.2f GB: the ranges "
+                "of them this node's ranks read)", files, len(paths), seconds, read / 1e9)
+    else:
+        _report("fastload: early reads: %d of %d files in the page cache after %.2f s", files, len(paths), seconds)
 
 
 def _end_with(parent: int) -> None:
@@ -163,6 +178,29 @@ class _Starved:
             return
         _report("fastload: early reads: no idle CPU time for them (%.1f s waiting for a CPU in %.1f s); "
                 "reading on as a batch job", waited, time.perf_counter() - self._start)
+
+
+class _Paced:
+    """Pauses the reads between two chunks while the CPU quota over them holds their group back,
+    until a pause passes without it or a load begins (``policy.early_reads_pause``); never without
+    a quota."""
+
+    def __init__(self, pacing: policy.EarlyReadsPacing | None) -> None:
+        self._pacing = pacing
+        self._last = machine.throttled_s(pacing.group) if pacing and pacing.group else None
+        self.paused_s = 0.0
+
+    def wait(self, load_began: Callable[[], bool]) -> None:
+        pacing = self._pacing
+        if pacing is None or pacing.group is None:
+            return
+        while True:
+            now = machine.throttled_s(pacing.group)
+            pause, self._last = policy.early_reads_pause(pacing, self._last, now), now
+            if not pause or load_began():
+                return
+            time.sleep(pause)
+            self.paused_s += pause
 
 
 def _cpu_wait_s() -> float | None:

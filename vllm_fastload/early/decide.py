@@ -119,6 +119,10 @@ def _start(start: EarlyStart, engine: str) -> None:
                     "the checkpoint" if share is None else "this node's share of the checkpoint", wanted / 1e9,
                     memory.allowed / 1e9, 100 * policy.EARLY_READS_MEMORY_SHARE, memory.limit.describe())
         return
+    quota = machine.cpu_quota()
+    pacing = policy.early_reads_pacing(quota)
+    policy.DecisionLog().note("early reads pacing", pacing.group is not None,
+                              quota=None if quota is None else quota.describe())
     LoadMarks.remove_stale()  # a start killed before it could remove its own
     marks = LoadMarks(local_ranks)  # removed when the reads end, or at this process's exit
     os.environ[MARKS_ENV] = marks.directory
@@ -126,7 +130,8 @@ def _start(start: EarlyStart, engine: str) -> None:
     try:
         reads = start_reading(files if share is None else share.ranges, limit=memory.allowed, hold=marks,
                               hold_s=policy.EARLY_READS_HOLD_S,
-                              starved_s=None if start.idle_cpu else policy.EARLY_READS_STARVED_S)
+                              starved_s=None if start.idle_cpu else policy.EARLY_READS_STARVED_S,
+                              pacing=pacing, quota="" if quota is None else quota.describe())
     finally:
         if reads is None:
             marks.remove()
@@ -135,6 +140,8 @@ def _start(start: EarlyStart, engine: str) -> None:
         return
     source = "" if os.path.isdir(path) else f" of {path} (its cached snapshot {_snapshot_of(files[0])})"
     limit = f"the lowest memory limit: {memory.limit.describe()}"
+    if quota is not None:
+        limit += f"; pausing whenever the {quota.describe()} holds the start back"
     if share is None:
         every = "" if scope is policy.EarlyScope.EVERY_FILE else f"; {scope.value}"
         logger.info("fastload: early reads: %d checkpoint files (%.2f GB)%s into the page cache while %s starts%s "
