@@ -5,7 +5,9 @@ Run: python scenario.py MODEL LOAD_FORMAT TP OUT.json [EXTRA_CONFIG_JSON]
 nnodes/node_rank/master_addr/master_port for the head of a multi-node start; they override the
 defaults below, enforce_eager included;
 SCENARIO_GENERATE=0: load and digest only; SCENARIO_EXECUTOR=ray: start a local Ray cluster here,
-run vLLM's Ray executor on it, and stop the cluster at the end.)
+run vLLM's Ray executor on it, and stop the cluster at the end; SCENARIO_EXECUTOR=external_launcher:
+one of the processes torchrun starts, each a rank with an engine of its own, each writing
+OUT.json.rank<RANK>.)
 Writes {"digests": [per-rank dict], "tokens": [...], "logprobs": [...]} or {"error": "..."}
 (with the Ray executor also "workers": [per-rank identity] and "ray_temp_dir").
 """
@@ -65,6 +67,8 @@ def main() -> None:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
                               "|".join(str(i % (os.cpu_count() or 1)) for i in range(local)))
     executor = os.environ.get("SCENARIO_EXECUTOR") or ("mp" if world > 1 else None)
+    if executor == "external_launcher":
+        out = f"{out}.rank{os.environ['RANK']}"
     result: dict = {}
     llm = None
     try:

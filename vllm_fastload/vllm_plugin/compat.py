@@ -198,6 +198,19 @@ def elastic_data_parallel(parallel: Any) -> bool:
     return bool(getattr(parallel, "enable_elastic_ep", False))
 
 
+def replicas_in_dp_group(vllm_config: Any) -> bool:
+    """Whether vLLM's data-parallel group links replicas of the model that hold alike what is
+    not their experts, at load time: an MoE at ``--data-parallel-size`` > 1 (vLLM keeps one group
+    over the replicas for its experts), and any model under ``distributed_executor_backend=
+    "external_launcher"`` (torchrun, as RL frameworks run vLLM: the world group spans the
+    replicas); elsewhere vLLM makes a dense model's replicas independent (a group of one). Never
+    where vLLM may add or remove data-parallel ranks while it serves (``elastic_data_parallel``)."""
+    parallel = vllm_config.parallel_config
+    if int(getattr(parallel, "data_parallel_size", 1) or 1) <= 1 or elastic_data_parallel(parallel):
+        return False
+    return experts_beyond_tp_group(vllm_config) or parallel.distributed_executor_backend == "external_launcher"
+
+
 def experts_beyond_tp_group(vllm_config: Any) -> bool:
     """Whether vLLM spreads an MoE's experts over the data-parallel ranks as well as the
     tensor-parallel group: at ``--data-parallel-size`` > 1 it does, with expert parallelism (each

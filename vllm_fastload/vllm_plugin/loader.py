@@ -62,7 +62,7 @@ class FastloadModelLoader(BaseModelLoader):
         self._post_device = torch.device(load_device)
         self._cpus = None if self.config.is_set("cpus") else reader_cpus()
         self._group_takes_all = not compat.experts_beyond_tp_group(vllm_config)
-        self._replicas = not self._group_takes_all and not compat.elastic_data_parallel(vllm_config.parallel_config)
+        self._replicas = compat.replicas_in_dp_group(vllm_config)
         try:
             return super().load_model(vllm_config, model_config, prefix=prefix)
         finally:
