@@ -225,44 +225,48 @@ def test_reads_with_no_idle_cpu_time_read_on_as_a_batch_job(cold_file: Path, cap
     assert _cached_share(cold_file) == 1.0
 
 
-#: Run inside a group with a CPU quota: a spinning process of the group (at normal priority, as an
-#: engine's start-up) for ``argv[2]`` seconds, and early reads of ``argv[1]`` paced as a start's are.
+#: Run inside a group with a CPU quota: spinning processes of the group (at normal priority, as an
+#: engine's start-up) for ``argv[2]`` seconds, and, once the quota has held the group back, early
+#: reads of ``argv[1]`` paced as a start's are.
 PACED = r"""
 import logging, subprocess, sys, time
 from vllm_fastload import machine, policy
 from vllm_fastload.early import process
 logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
 quota = machine.cpu_quota()
-spin = subprocess.Popen([sys.executable, "-c",
-                         f"import time\nend = time.time() + {sys.argv[2]}\nwhile time.time() < end: pass"])
-time.sleep(0.5)
+spin = [subprocess.Popen([sys.executable, "-c", f"import time\nend = time.time() + {sys.argv[2]}\n"
+                          "while time.time() < end: pass"]) for _ in range(3)]
+held = machine.throttled_s(quota.directory)
+deadline = time.monotonic() + 10
+while machine.throttled_s(quota.directory) <= held and time.monotonic() < deadline:
+    time.sleep(0.05)
 reads = process.start_reading([sys.argv[1]], limit=1 << 40, starved_s=0.1, pacing=policy.early_reads_pacing(quota),
                               quota=quota.describe())
 reads.join(timeout=120)
-spin.wait()
+[p.wait() for p in spin]
 print("returncode", reads.process.returncode, flush=True)
 """
 
 
 @pytest.mark.skipif(_quota_reason() is not None, reason=str(_quota_reason()))
 def test_reads_under_a_cpu_quota_pause_while_it_holds_the_start_back(tmp_path: Path):
-    """In a group whose quota (0.5 CPUs) a spinning process spends by itself, reads that have left
-    idle priority (as under SGLang, ``starved_s``) would take their share of it; paced, they wait
-    until the quota stops holding the group back (the spinner ends after 3 s), then read the file
-    whole. (A file of many chunks: the reads look between two, and a look every few CFS periods
-    sees the quota at work.)"""
+    """In a group whose quota (0.2 CPUs) three spinning processes spend by themselves, reads that
+    have left idle priority (as under SGLang, ``starved_s``) would take their share of it; paced,
+    they wait until the quota stops holding the group back (the spinners end after 5 s), then read
+    the file whole. The reads begin once the quota has held the group back, and the file is many
+    chunks: the reads look between two, and under that quota each chunk takes CFS periods."""
     cold_file = tmp_path / "large.safetensors"
     cold_file.write_bytes(os.urandom(1 << 20) * 192)
     os.sync()
     evict([str(cold_file)])
-    with MachineLoad("quota", 0.5).around() as state:
-        run = subprocess.run([*state.prefix, sys.executable, "-c", PACED, str(cold_file), "3"], capture_output=True,
+    with MachineLoad("quota", 0.2).around() as state:
+        run = subprocess.run([*state.prefix, sys.executable, "-c", PACED, str(cold_file), "5"], capture_output=True,
                              text=True, timeout=180)
     assert "returncode 0" in run.stdout, run.stdout + run.stderr
-    paused = re.search(r"early reads: paused ([\d.]+) s in all while the cgroup v\d CPU quota of 0.50 CPUs at (\S+) "
+    paused = re.search(r"early reads: paused ([\d.]+) s in all while the cgroup v\d CPU quota of 0.20 CPUs at (\S+) "
                        r"held the start back", run.stdout)
     assert paused, run.stdout
-    assert float(paused.group(1)) >= 1.0, run.stdout  # most of the spinner's 2.5 s after the reads started
+    assert float(paused.group(1)) >= policy.EARLY_READS_QUOTA_PAUSE_S, run.stdout
     assert "1 of 1 files in the page cache" in run.stdout, run.stdout
     assert _cached_share(cold_file) == 1.0
 
