@@ -199,9 +199,14 @@ def _add_bench(sub: Any) -> None:
     p.add_argument("--nodes", type=int, default=1, choices=[1, 2],
                    help="2: two vLLM nodes on this machine (vLLM's --nnodes over loopback), one rank each, reading "
                         "the checkpoint from --source sshfs (a mount per node), s3 (a counting proxy per node) or "
-                        "local (a copy per node); bytes each node pulls and each node's early reads "
+                        "local (a copy per node); bytes each node pulls and each node's early reads; --model may name "
+                        "a preset (netfs-llama, netfs-mixtral, dp-mixtral) "
                         "(--repeats, --loaders, --model, --out, --targets apply; targets: all, nodes-bytes, "
                         "nodes-default, nodes-prefetch, nodes-early, nodes-cached, nodes-dp-exchange)")
+    p.add_argument("--store-gbps", type=float, default=None, metavar="GBPS",
+                   help="with --nodes 2 --source s3: each node's link to the store limited to this many GB/s (its "
+                        "counting proxy paces what it sends), so that the store, not loopback, is what the nodes "
+                        "wait for (default: no limit)")
     p.add_argument("--layout", default="pp", choices=["pp", "tp", "dp-ep"],
                    help="with --nodes 2: pp (two pipeline stages, one per node), tp (TP=2 over the two nodes) or "
                         "dp-ep (two data-parallel replicas of an MoE with expert parallelism, one per node; "

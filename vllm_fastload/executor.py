@@ -261,7 +261,7 @@ def _mapped(reader: Reader, sf: SafetensorsFile, chunk: Chunk) -> FileWindow | N
 class ChunksInFlight:
     """The chunks submitted ahead of the one being delivered: ``policy.CHUNKS_IN_FLIGHT``, and
     beyond that chunks read into the caller's own tensors as far ahead as the reader asks for
-    (``Reader.direct_in_flight``)."""
+    (``Reader.direct_in_flight``), or an object store's link wants (``policy.direct_reads_ahead``)."""
 
     def __init__(self, executor: PlanExecutor, chunks: Sequence[Chunk]) -> None:
         self.executor = executor
@@ -291,7 +291,8 @@ class ChunksInFlight:
     def _room_for(self, chunk: Chunk) -> bool:
         if len(self.in_flight) < policy.CHUNKS_IN_FLIGHT:
             return True
-        ahead_limit = self.executor.reader.direct_in_flight
+        remote = self.executor.checkpoint.files[chunk.file].fd is None
+        ahead_limit = policy.direct_reads_ahead(reader_ahead=self.executor.reader.direct_in_flight, remote=remote)
         if ahead_limit <= 0 or not chunk.direct or not all(item.chunk.direct for item in self.in_flight):
             return False
         ahead = sum(_direct_bytes(item.chunk) for item in self.in_flight)

@@ -42,6 +42,11 @@ CHUNKS_IN_FLIGHT = 3
 #: before it (handed back one chunk late, see ``executor.PlanExecutor.run``). The buffer pool
 #: rounds to its large granule only where this many fit in the budget.
 BUFFERS_IN_USE = CHUNKS_IN_FLIGHT + 2
+#: Bytes of reads from an object store into the caller's own tensors queued beyond
+#: ``CHUNKS_IN_FLIGHT``: they need no buffer, and the store's link stays busy while the caller
+#: works between chunks (a replicas' exchange, a layer's post-processing). Bounded because a
+#: failed load waits for the requests already under way.
+OBJECT_READS_AHEAD = 256 << 20
 #: A page: below it the disk transfers the bytes between a slice's rows anyway.
 PAGE_BYTES = 4096
 #: ``strided_min_skip`` of the readers that land every byte they read where the caller's bytes go
@@ -284,6 +289,13 @@ def staging_slots(*, memory_budget: int, read_size: int, threads: int) -> tuple[
     wanted = max(read_size, MIN_SLOT)
     slot_size = max(4096, min(wanted, share) // 4096 * 4096)
     return slot_size, max(1, min(threads, share // slot_size))
+
+
+def direct_reads_ahead(*, reader_ahead: int, remote: bool) -> int:
+    """Bytes of reads into the caller's own tensors queued beyond ``CHUNKS_IN_FLIGHT``: what the
+    reader asks for (``Reader.direct_in_flight``), and from an object store at least
+    ``OBJECT_READS_AHEAD`` (its own request limit paces them)."""
+    return max(reader_ahead, OBJECT_READS_AHEAD) if remote else reader_ahead
 
 
 def staging_in_flight(*, threads: int, slot_size: int) -> int:

@@ -338,3 +338,13 @@ def test_early_reads_pause_only_while_their_quota_holds_the_group_back(quota, be
     pacing = policy.early_reads_pacing(None if quota is None else SimpleNamespace(directory=quota))
     assert pacing.group == quota
     assert policy.early_reads_pause(pacing, before, now) == want
+
+
+@pytest.mark.parametrize(("reader_ahead", "remote", "expected"), [
+    (0, False, 0),                                        # local files: the reader's threads are the limit
+    (64 << 20, False, 64 << 20),                          # a staged reader's slots
+    (0, True, policy.OBJECT_READS_AHEAD),                 # objects: the link kept busy between chunks
+    (1 << 30, True, 1 << 30),                             # never fewer than the reader asks for
+])
+def test_direct_reads_ahead(reader_ahead: int, remote: bool, expected: int) -> None:
+    assert policy.direct_reads_ahead(reader_ahead=reader_ahead, remote=remote) == expected

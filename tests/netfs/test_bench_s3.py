@@ -75,6 +75,28 @@ def test_proxy_reuses_its_upstream_after_head_requests(s3bench) -> None:
     assert s3bench.rank_proxies[0].take() == (300, 6)  # only GET bodies count as bytes served
 
 
+def test_a_paced_proxy_sends_no_faster_than_its_link(s3bench) -> None:
+    """``--store-gbps``: two concurrent GETs through one node's proxy share its link's rate."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import obstore
+
+    rate = 2e6
+    key, size = max(s3bench.sizes.items(), key=lambda item: item[1])
+    with objstore.CountingProxy(s3bench.server.port, "paced", rate=rate) as proxy:
+        store = objstore._store(proxy.url)
+        start = time.perf_counter()
+        with ThreadPoolExecutor(2) as pool:
+            bodies = list(pool.map(lambda _: bytes(obstore.get(store, key).bytes()), range(2)))
+        seconds = time.perf_counter() - start
+        assert proxy.take() == (2 * size, 2)
+    assert bodies[0] == bodies[1] == (s3bench.local / Path(key).name).read_bytes()
+    assert seconds >= 0.9 * 2 * size / rate  # both bodies through one link
+    with pytest.raises(ValueError, match="bytes per second"):
+        objstore.CountingProxy(s3bench.server.port, "zero", rate=0)
+
+
 def test_default_loader_row_times_its_download(s3bench) -> None:
     seen = {}
 

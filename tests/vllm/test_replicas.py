@@ -49,7 +49,7 @@ class _Moe(nn.Module):
     """Every tensor of the checkpoint but the experts of other ranks, loaded by name through
     vLLM's ``default_weight_loader``; the head's rows ``HEAD_ROWS`` only."""
 
-    def __init__(self, path: Path, experts: set[int]) -> None:
+    def __init__(self, path: Path, experts: set[int], dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
         self.experts = experts
         self.params = nn.ParameterDict()
@@ -61,7 +61,7 @@ class _Moe(nn.Module):
                         shape[0] = HEAD_ROWS[1] - HEAD_ROWS[0]
                     if self._holds(name):
                         self.params[name.replace(".", "_")] = nn.Parameter(
-                            torch.zeros(shape, dtype=torch.bfloat16), requires_grad=False)
+                            torch.zeros(shape, dtype=dtype), requires_grad=False)
 
     def _holds(self, name: str) -> bool:
         return ".experts." not in name or int(name.split(".experts.")[1].split(".")[0]) in self.experts
@@ -81,8 +81,9 @@ class _Moe(nn.Module):
         return loaded
 
 
-def _load(path: Path, world: int, config: FastloadConfig) -> tuple[list[_Moe], list]:
-    models = [_Moe(path, {e for e in range(EXPERTS) if e % world == rank}) for rank in range(world)]
+def _load(path: Path, world: int, config: FastloadConfig,
+          dtype: torch.dtype = torch.bfloat16) -> tuple[list[_Moe], list]:
+    models = [_Moe(path, {e for e in range(EXPERTS) if e % world == rank}, dtype) for rank in range(world)]
     group = ThreadCollectives(world)
     reports: list = [None] * world
     errors: list = []
@@ -115,7 +116,9 @@ def _assert_exact(path: Path, models: list[_Moe]) -> None:
                     if name == "lm_head.weight":
                         want = want.narrow(0, HEAD_ROWS[0], HEAD_ROWS[1] - HEAD_ROWS[0])
                     got = model.params[name.replace(".", "_")]
-                    assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"rank {rank}: {name} differs"
+                    if got.dtype == torch.bfloat16:  # bit for bit
+                        got, want = got.view(torch.int16), want.view(torch.int16)
+                    assert torch.equal(got, want.to(got.dtype)), f"rank {rank}: {name} differs"  # bf16 -> f32: exact
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -158,3 +161,28 @@ def test_the_data_parallel_group_links_replicas(experts, dp, backend, elastic, w
         parallel_config=SimpleNamespace(data_parallel_size=dp, distributed_executor_backend=backend,
                                         enable_elastic_ep=elastic))
     assert compat.replicas_in_dp_group(config) is want
+
+
+@pytest.mark.parametrize(("dtype", "slabs"), [(torch.bfloat16, 0), (torch.float32, 7)])
+def test_a_block_goes_straight_into_the_parameter_where_it_keeps_the_checkpoint_dtype(tmp_path, monkeypatch,
+                                                                                     dtype, slabs):
+    """Each rank's block of what the ranks hold alike is read into its own rows of the parameter
+    (no read buffer: an object store's requests for it run as far ahead as any read into a
+    parameter), and sent from there; where the parameter converts the dtype, through a slab."""
+    from vllm_fastload.model import exchange
+
+    taken: list[str] = []
+    take = exchange.RowExchange.take
+
+    def counting_take(self, request, rows):
+        if request in self._row_reads:
+            taken.append(request.name)
+        return take(self, request, rows)
+
+    monkeypatch.setattr(exchange.RowExchange, "take", counting_take)
+    path = _checkpoint(tmp_path / "ckpt")
+    models, reports = _load(path, 2, FastloadConfig(progress=False, dp_exchange="always"), dtype)
+    _assert_exact(path, models)
+    assert len(taken) == 2 * slabs, taken
+    for report in reports:
+        assert "7 tensors held alike read once among the 2 ranks" in report.summary, report.summary

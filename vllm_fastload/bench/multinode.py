@@ -50,7 +50,7 @@ from vllm_fastload.bench.targets import Target, all_met, by_name, print_verdicts
 from vllm_fastload.bench.targets import parse_targets as parse_spec
 from vllm_fastload.bench.vllm import records, start_command
 from vllm_fastload.bench.worker_hooks import timed_env
-from vllm_fastload.tools.checkpoints import write_checkpoint
+from vllm_fastload.tools.checkpoints import PRESETS, write_checkpoint
 from vllm_fastload.tools.processes import remove_logged_cpu_shm
 from vllm_fastload.tools.servers import free_port
 from vllm_fastload.tools.vllm_server import vllm_env
@@ -112,8 +112,10 @@ TARGETS = by_name(
 class NodeSources:
     """Per node: the model path (or URI), its environment, and the bytes it pulled (``take``)."""
 
-    def __init__(self, source: str, local: Path, work: Path, sshfs_options: tuple[str, ...] = ()) -> None:
+    def __init__(self, source: str, local: Path, work: Path, sshfs_options: tuple[str, ...] = (),
+                 store_rate: float | None = None) -> None:
         self.source, self.local, self.work = source, local, work
+        self._store_rate = store_rate
         self._options = sshfs_options
         self._stack = ExitStack()
         self.models: list[str] = []
@@ -144,7 +146,8 @@ class NodeSources:
             from vllm_fastload.bench.s3bench import PREFIX
 
             server = self._stack.enter_context(objstore.S3rver(objstore.ensure_s3rver()))
-            self._proxies = [self._stack.enter_context(objstore.CountingProxy(server.port, f"node{n}"))
+            self._proxies = [self._stack.enter_context(objstore.CountingProxy(server.port, f"node{n}",
+                                                                                 self._store_rate))
                              for n in range(2)]
             objstore.upload(self.local, server.url, PREFIX)
             self.models = [f"s3://{objstore.BUCKET}/{PREFIX}"] * 2
@@ -321,14 +324,19 @@ def main(args: argparse.Namespace) -> int:
         DP_LOADERS if LAYOUTS[layout].data > 1 else [])
     check_known(loaders, "vllm")
     targets = parse_targets(args.targets)
-    preset = LAYOUT_MODELS[layout]
-    local = Path(args.model or write_checkpoint(f".fastload/{preset}", preset, files=4))
+    preset = args.model if args.model in PRESETS else None if args.model else LAYOUT_MODELS[layout]
+    local = Path(write_checkpoint(f".fastload/{preset}", preset, files=4) if preset else args.model)
     total = sum(p.stat().st_size for p in local.glob("*.safetensors"))
     work = Path(args.out) / "multinode-runs"
     work.mkdir(parents=True, exist_ok=True)
     results: dict[str, list[dict]] = {name: [] for name in loaders}
-    with NodeSources(source, local, work, tuple(o for o in (args.sshfs_options or "").split(",") if o)) as nodes:
-        print(f"two nodes, layout {layout}, checkpoint {local} ({total / 1e9:.2f} GB) from {source}: "
+    store_gbps = getattr(args, "store_gbps", None)
+    if store_gbps is not None and source != "s3":
+        raise SystemExit(f"--store-gbps limits each node's link to the object store: --source s3, not {source}")
+    options = tuple(o for o in (args.sshfs_options or "").split(",") if o)
+    with NodeSources(source, local, work, options, store_gbps * 1e9 if store_gbps else None) as nodes:
+        link = f", each node's link to it {store_gbps:g} GB/s" if store_gbps else ""
+        print(f"two nodes, layout {layout}, checkpoint {local} ({total / 1e9:.2f} GB) from {source}{link}: "
               f"{', '.join(nodes.models)}; loaders {loaders}", flush=True)
         for rep in range(args.repeats):
             for name in loaders[rep % len(loaders):] + loaders[:rep % len(loaders)]:
@@ -348,7 +356,8 @@ def main(args: argparse.Namespace) -> int:
     verdicts = check(rows, targets, layout)
     print_verdicts(verdicts)
     out = Path(args.out) / f"bench-vllm-nodes-{source}-{layout}.json"
-    out.write_text(json.dumps({"source": source, "layout": layout, "checkpoint_bytes": total, "rows": rows,
+    out.write_text(json.dumps({"source": source, "layout": layout, "checkpoint_bytes": total,
+                               "store_gbps": store_gbps, "rows": rows,
                                "raw": results, "targets": verdicts}, indent=2))
     print(f"wrote {out}")
     return 0 if all_met(verdicts) else 1

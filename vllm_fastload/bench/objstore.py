@@ -131,16 +131,38 @@ class LoopbackServer:
         self._thread.join(timeout=10)
 
 
-class CountingProxy(LoopbackServer):
-    """A forwarding HTTP/1.1 proxy on 127.0.0.1 that counts the response body bytes it served."""
+#: What a rate-limited proxy sends at a time: small enough that concurrent responses share the link.
+_LINK_PIECE = 256 << 10
 
-    def __init__(self, upstream_port: int, name: str = "") -> None:
+
+class CountingProxy(LoopbackServer):
+    """A forwarding HTTP/1.1 proxy on 127.0.0.1 that counts the response body bytes it served.
+
+    ``rate``: bytes per second that all its responses together may send, a node's link to the
+    store; on loopback the store is otherwise never the bottleneck that a cluster's nodes share.
+    """
+
+    def __init__(self, upstream_port: int, name: str = "", rate: float | None = None) -> None:
+        if rate is not None and rate <= 0:
+            raise ValueError(f"rate {rate}: bytes per second, more than 0")
         self.name = name
         self.upstream_port = upstream_port
+        self.rate = rate
         self.bytes = 0
         self.requests = 0
         self._lock = threading.Lock()
+        self._link_free_at = 0.0
         super().__init__(self._handler(), f"count-proxy-{name}")
+
+    def _hold(self, size: int) -> None:
+        """Wait until the link has sent what went before, and this piece at ``rate``."""
+        if self.rate is None:
+            return
+        with self._lock:
+            now = time.monotonic()
+            self._link_free_at = max(now, self._link_free_at) + size / self.rate
+            done = self._link_free_at
+        time.sleep(max(0.0, done - time.monotonic()))
 
     def take(self) -> tuple[int, int]:
         """(body bytes, requests) served since the last call."""
@@ -196,7 +218,10 @@ class CountingProxy(LoopbackServer):
                 if self.command == "GET":
                     with proxy._lock:
                         proxy.bytes += len(piece)
-                self.wfile.write(piece)
+                view = memoryview(piece)
+                for start in range(0, len(view), _LINK_PIECE):
+                    proxy._hold(len(view[start:start + _LINK_PIECE]))
+                    self.wfile.write(view[start:start + _LINK_PIECE])
 
             do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _forward
 

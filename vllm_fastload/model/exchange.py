@@ -282,6 +282,12 @@ class RowExchange:
         self.infos = infos
         #: This rank's row reads, and the tensor each is of.
         self._row_reads = {s.row_request(self.rank): s for s in shared.values()}
+        #: Replicas whose block this rank reads straight into its own rows of the destination
+        #: (``direct_targets``): no read buffer, so an object store's link is kept busy as for
+        #: any read into a parameter. Where the destination converts the dtype, the block is read
+        #: as a slab (``take``), as the others receive the checkpoint's bytes.
+        self._direct = {req: s for req, s in self._row_reads.items()
+                        if s.dim is None and dests[s.name].dtype == dtype_of(infos[s.name])}
         self._outgoing: dict[str, list[torch.Tensor]] = {}
         self._done: set[str] = set()
         #: A collective failed half-way, or a peer reported its failure: no further collective.
@@ -308,8 +314,18 @@ class RowExchange:
         return request.name in self.shared
 
     def row_requests(self) -> list[TensorRequest]:
-        """What this rank reads: its block of whole rows of every shared tensor."""
-        return list(self._row_reads)
+        """What this rank reads and hands to ``take``: its block of whole rows of every shared
+        tensor not in ``direct_targets``."""
+        return [req for req in self._row_reads if req not in self._direct]
+
+    def direct_targets(self) -> dict[TensorRequest, torch.Tensor]:
+        """What this rank reads straight into its destination: its block of rows of the replicas
+        whose destination holds the checkpoint's dtype; sent from there once the layer is read."""
+        return {req: self._block(s) for req, s in self._direct.items()}
+
+    def _block(self, s: SharedTensor) -> torch.Tensor:
+        block = s.rows[self.rank]
+        return self.dests[s.name].narrow(0, block.start, block.length)
 
     def take(self, request: TensorRequest, rows: torch.Tensor) -> bool:
         """Per-tensor hook: keep this rank's columns of its rows, set aside copies of the others'
@@ -318,8 +334,7 @@ class RowExchange:
         s = self._row_reads.get(request)
         if s is None:
             return False
-        block = s.rows[self.rank]
-        self.dests[s.name].narrow(0, block.start, block.length).copy_(self._piece(s, rows, self.rank))
+        self._block(s).copy_(self._piece(s, rows, self.rank))
         if s.dim is None:  # replicas: every other rank gets the whole block, one copy for all
             self._outgoing[s.name] = [self._owned(rows)] * (self.world - 1)
         else:
@@ -371,6 +386,9 @@ class RowExchange:
     def _swap(self, names: Sequence[str]) -> None:
         start = time.perf_counter()
         for name in names:
+            s = self.shared[name]
+            if s.row_request(self.rank) in self._direct:  # read into this rank's rows by now
+                self._outgoing[name] = [self._owned(self._block(s))] * (self.world - 1)
             if name not in self._outgoing:
                 info = self.infos[name]
                 raise CheckpointError("the layer ended before this rank's rows of the tensor were read",

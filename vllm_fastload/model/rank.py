@@ -248,10 +248,12 @@ def _load_planned(ckpt: FastCheckpoint, reads: RankReads, sharings: tuple[_Shari
         replica_swap = alike.agree(targets)
         if replica_swap is not None:
             hooks.swaps.append(replica_swap)
+        direct: dict[TensorRequest, torch.Tensor] = {}
         for agreed in hooks.swaps:
             targets = {req: dest for req, dest in targets.items() if not agreed.owns(req)}
             slabs += agreed.row_requests()
-        stats = ckpt.read_into(targets, extra=slabs, hooks=hooks)
+            direct.update(agreed.direct_targets())
+        stats = ckpt.read_into({**targets, **direct}, extra=slabs, hooks=hooks)
     except BaseException as exc:
         for agreed in hooks.swaps:
             try:

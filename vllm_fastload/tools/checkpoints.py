@@ -59,6 +59,10 @@ PRESETS: dict[str, ModelSpec] = {
     # 0.43 GB: the two-node benchmark's MoE (``--layout dp-ep``): experts are 64% of it.
     "netfs-mixtral": ModelSpec(arch="mixtral", hidden=1024, intermediate=1408, layers=4, heads=16, kv_heads=4,
                                vocab=32000, experts=8),
+    # 0.82 GB: the same MoE with Llama-3's vocabulary, where the tensors every replica holds are two
+    # thirds of the bytes (``--layout dp-ep --model dp-mixtral``), as in MoEs with few or small experts.
+    "dp-mixtral": ModelSpec(arch="mixtral", hidden=1024, intermediate=1408, layers=4, heads=16, kv_heads=4,
+                            vocab=128256, experts=8),
 }
 
 _ARCHITECTURES = {
