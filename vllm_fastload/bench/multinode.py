@@ -324,15 +324,12 @@ def main(args: argparse.Namespace) -> int:
         DP_LOADERS if LAYOUTS[layout].data > 1 else [])
     check_known(loaders, "vllm")
     targets = parse_targets(args.targets)
-    preset = args.model if args.model in PRESETS else None if args.model else LAYOUT_MODELS[layout]
-    local = Path(write_checkpoint(f".fastload/{preset}", preset, files=4) if preset else args.model)
+    local = _checkpoint(args.model, layout)
     total = sum(p.stat().st_size for p in local.glob("*.safetensors"))
     work = Path(args.out) / "multinode-runs"
     work.mkdir(parents=True, exist_ok=True)
     results: dict[str, list[dict]] = {name: [] for name in loaders}
-    store_gbps = getattr(args, "store_gbps", None)
-    if store_gbps is not None and source != "s3":
-        raise SystemExit(f"--store-gbps limits each node's link to the object store: --source s3, not {source}")
+    store_gbps = _store_gbps(args, source)
     options = tuple(o for o in (args.sshfs_options or "").split(",") if o)
     with NodeSources(source, local, work, options, store_gbps * 1e9 if store_gbps else None) as nodes:
         link = f", each node's link to it {store_gbps:g} GB/s" if store_gbps else ""
@@ -361,6 +358,19 @@ def main(args: argparse.Namespace) -> int:
                                "raw": results, "targets": verdicts}, indent=2))
     print(f"wrote {out}")
     return 0 if all_met(verdicts) else 1
+
+
+def _checkpoint(model: str | None, layout: str) -> Path:
+    """``--model``: a directory, or a preset written under .fastload/ (the layout's by default)."""
+    preset = model if model in PRESETS else None if model else LAYOUT_MODELS[layout]
+    return Path(write_checkpoint(f".fastload/{preset}", preset, files=4) if preset else str(model))
+
+
+def _store_gbps(args: argparse.Namespace, source: str) -> float | None:
+    store_gbps = getattr(args, "store_gbps", None)
+    if store_gbps is not None and source != "s3":
+        raise SystemExit(f"--store-gbps limits each node's link to the object store: --source s3, not {source}")
+    return store_gbps
 
 
 def _node_of(rank: int) -> int:
