@@ -78,7 +78,8 @@ _TABLE = (
     # Early reads (the checkpoint read into the page cache from the moment vLLM has its config):
     # on every filesystem, and never.
     Loader("fastload-early", _FASTLOAD, _frozen(early_reads="always")),
-    Loader("fastload-no-early", _FASTLOAD, _frozen(early_reads="never")),
+    Loader("fastload-no-early", _FASTLOAD, _frozen(early_reads="never"),
+           sglang_args=("--load-format", "fastload", "--model-loader-extra-config", '{"early_reads": "never"}')),
     # The reader on one thread: copies and the destinations' faults in one thread, none ahead.
     Loader("fastload-one-thread", _FASTLOAD, _frozen(threads=1)),
     # The engine's default loader: vLLM's --load-format safetensors, SGLang's auto; bench-gpu's
