@@ -21,8 +21,8 @@ Each file is mapped and populated ``policy.EARLY_READS_CHUNK`` bytes at a time
 process), and each page is touched once (see ``_Mapping``); ``posix_fadvise(WILLNEED)`` alone reads
 only a few percent of a large file. Reading stops as soon as a load begins (it reads the rest
 itself). The mappings stay until the loads have ended (``marks.LoadMarks``; or ``hold_s`` runs out,
-memory runs low, or the starting process ends), because proactive reclaim of idle page cache
-(such as DAMON-based reclaim) takes only pages that no process maps: read and dropped, a
+memory runs low, or the starting process ends), because the kernel's proactive reclaim of idle
+page cache (DAMON_RECLAIM, for one) takes only pages that no process maps: read and dropped, a
 checkpoint could be partly gone before the workers ask for it. Mapped pages are still page cache,
 which memory pressure can reclaim (after unmapped page cache); they show in the reading process's
 RSS while held. Where the kernel lacks ``MADV_POPULATE_READ`` (before Linux 5.14) each chunk is
