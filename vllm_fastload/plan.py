@@ -55,7 +55,8 @@ class TensorRequest:
     """A whole tensor, or only ``[start, start + length)`` along ``dim``.
 
     Several requests may name the same tensor (the q/k/v parts of a fused parameter);
-    ``key`` tells them apart in the results and defaults to ``name``.
+    ``key`` tells them apart in the results and defaults to ``name``. ``layer`` reads it with
+    another layer group than its name's (``layers.layer_key``): e.g. ahead of the layers.
     """
 
     name: str
@@ -63,6 +64,7 @@ class TensorRequest:
     start: int = 0
     length: int | None = None
     key: str | None = None
+    layer: LayerKey | None = None
 
     @property
     def result_key(self) -> str:
@@ -305,7 +307,7 @@ def _mb(n: int) -> str:
 def plan_tensor(info: TensorInfo, request: TensorRequest, strided_min_skip: int) -> PlannedTensor:
     """Resolve one request into byte ranges (validating dim/start/length against the tensor)."""
     shape, bits, name = info.shape, info.bits, info.name
-    layer = layer_key(name)
+    layer = request.layer if request.layer is not None else layer_key(name)
     if request.dim is None:
         ranges = (ByteRange(info.start, info.nbytes),) if info.nbytes else ()
         return PlannedTensor(request, info, shape, "whole", ranges, info.nbytes, layer)

@@ -291,6 +291,23 @@ def test_layer_groups_come_in_forward_order(tmp_path: Path, style: str):
         assert order.index(f"{style.format(10)}.attn.weight") > order.index(f"{style.format(9)}.mlp.weight")
 
 
+
+def test_a_request_is_read_with_the_layer_group_it_names(tmp_path: Path):
+    """``TensorRequest.layer`` moves a read to another group (the exchange reads the head's
+    replica blocks with the embeddings); the others keep their name's group."""
+    names = ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight", "model.layers.0.attn.weight"]
+    save(tmp_path / "m.safetensors", {name: torch.full((4, 2), float(i)) for i, name in enumerate(names)})
+    with open_ckpt(tmp_path) as ckpt:
+        plan = ckpt.plan([TensorRequest("lm_head.weight", dim=0, start=1, length=2, layer=LayerKey(EMBEDDINGS)),
+                          "model.embed_tokens.weight", "model.norm.weight", "model.layers.0.attn.weight"])
+        assert [(g.key, sorted(t.key for t in g.tensors)) for g in plan.groups] == [
+            (LayerKey(EMBEDDINGS), ["lm_head.weight", "model.embed_tokens.weight"]),
+            (LayerKey(LAYER, 0), ["model.layers.0.attn.weight"]),
+            (LayerKey(FINAL), ["model.norm.weight"])]
+        got = dict(ckpt.iter_tensors([TensorRequest("lm_head.weight", dim=0, start=1, length=2,
+                                                    layer=LayerKey(EMBEDDINGS))]))
+        assert torch.equal(got["lm_head.weight"], torch.full((2, 2), 1.0))
+
 # -- summary and per-rank reads ------------------------------------------------------------------------
 
 

@@ -17,10 +17,20 @@ def record_layer(event) -> None:
 
 def fail_on_rank_1(event) -> None:
     """on_layer_ready callback that breaks rank 1 only, to prove rank 0 is not left waiting."""
+    _fail_on_rank_1(event, 1)
+
+
+def fail_on_rank_1_at_layer_0(event) -> None:
+    """As ``fail_on_rank_1``, a layer earlier: in a two-layer model with ``dp_exchange``, rank 0 is
+    then waiting in layer 1's exchange, the last one (the head's goes with the embeddings)."""
+    _fail_on_rank_1(event, 0)
+
+
+def _fail_on_rank_1(event, layer: int) -> None:
     import torch.distributed as dist
 
-    if dist.is_initialized() and dist.get_rank() == 1 and event.layer == 1:
-        raise RuntimeError("injected failure on rank 1 while loading layer 1")
+    if dist.is_initialized() and dist.get_rank() == 1 and event.layer == layer:
+        raise RuntimeError(f"injected failure on rank 1 while loading layer {layer}")
 
 
 def worker_identity(model) -> dict:

@@ -117,7 +117,7 @@ def test_ranks_read_what_they_hold_alike_once_and_load_exactly(moe, tmp_path, re
 
 def test_a_rank_failing_during_the_exchange_ends_the_start_naming_it(moe, tmp_path):
     start = _serve_dp2(tmp_path, "fails", moe, "fastload",
-                       {"dp_exchange": "always", "on_layer_ready": "hooks:fail_on_rank_1"})
+                       {"dp_exchange": "always", "on_layer_ready": "hooks:fail_on_rank_1_at_layer_0"})
     log = start["log"]
     assert start["exited"] not in (None, 0), log[-4000:]  # it ended by itself, with an error
     assert "injected failure on rank 1" in log, log[-4000:]

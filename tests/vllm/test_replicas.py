@@ -186,3 +186,28 @@ def test_a_block_goes_straight_into_the_parameter_where_it_keeps_the_checkpoint_
     assert len(taken) == 2 * slabs, taken
     for report in reports:
         assert "7 tensors held alike read once among the 2 ranks" in report.summary, report.summary
+
+
+def test_the_head_is_exchanged_with_the_embeddings_ahead_of_the_layers(tmp_path, monkeypatch):
+    """A replica after the last layer (the head, the final norm) is read and exchanged with the
+    embeddings: each exchange then overlaps the reads of the layers after it, and the last
+    layer's is the last (small) one."""
+    from vllm_fastload.model import exchange
+
+    swaps: list[list[str]] = []
+    swap = exchange.RowExchange._swap
+
+    def recording_swap(self, names):
+        if self.rank == 0:
+            swaps.append(list(names))
+        return swap(self, names)
+
+    monkeypatch.setattr(exchange.RowExchange, "_swap", recording_swap)
+    path = _checkpoint(tmp_path / "ckpt")
+    models, reports = _load(path, 2, FastloadConfig(progress=False, dp_exchange="always"))
+    _assert_exact(path, models)
+    assert swaps == [["lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"],
+                     ["model.layers.0.input_layernorm.weight", "model.layers.0.self_attn.o_proj.weight"],
+                     ["model.layers.1.input_layernorm.weight", "model.layers.1.self_attn.o_proj.weight"]], swaps
+    for report in reports:
+        assert "in 3 exchanges" in report.summary, report.summary

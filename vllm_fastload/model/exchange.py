@@ -11,7 +11,10 @@ byte is fetched once in the group, in large reads.
 The same machinery serves replicas (``agree_replicas``): ranks that each need the same slice of a
 tensor (the data-parallel ranks of an MoE hold the same attention, embeddings and norms) each
 read a block of its rows, and send every other rank the whole block.
-Every byte of what they hold alike is fetched once among them, not once per rank.
+Every byte of what they hold alike is fetched once among them, not once per rank. A replica
+after the last layer (the head: as large as the embeddings) is read with the embeddings, ahead
+of the layers: each layer's exchange overlaps the reads of the layers after it, and nothing
+comes after the last one.
 
 Engine-independent: the ranks talk through ``Collectives``, over any ``torch.distributed
 process group that runs ``all_gather_object`` and ``all_to_all_single`` on host tensors (gloo);
@@ -33,6 +36,7 @@ import torch
 
 from vllm_fastload.errors import CheckpointError
 from vllm_fastload.format import TensorInfo
+from vllm_fastload.layers import EMBEDDINGS, FINAL, LayerKey, layer_key
 from vllm_fastload.plan import LayerGroup, TensorRequest
 from vllm_fastload.sizes import round_up
 from vllm_fastload.tensors import dtype_of, shape_of
@@ -69,6 +73,8 @@ class SharedTensor:
     rows: tuple[Span, ...]
     #: Where the rows the ranks need start along dim 0 (replicas of a row slice).
     offset: int = 0
+    #: The layer group its rows are read with, where not its own (``read_with``).
+    layer: LayerKey | None = None
 
     def piece_shape(self, row_rank: int, column_rank: int) -> list[int]:
         """Shape of ``column_rank``'s part of ``row_rank``'s rows."""
@@ -83,7 +89,13 @@ class SharedTensor:
         block = self.rows[rank]
         first = self.offset + block.start
         return TensorRequest(self.name, dim=0, start=first, length=block.length,
-                             key=f"{self.name}[rows {first}:{first + block.length}]")
+                             key=f"{self.name}[rows {first}:{first + block.length}]", layer=self.layer)
+
+
+def read_with(name: str) -> LayerKey | None:
+    """The layer group a replica's rows are read with: the embeddings' for one after the last
+    layer, whose exchange would otherwise follow the last read; None: its own."""
+    return LayerKey(EMBEDDINGS) if layer_key(name).stage == FINAL else None
 
 
 @dataclass(frozen=True)
@@ -228,7 +240,7 @@ def agree_replicas(collectives: Collectives, targets: Mapping[TensorRequest, tor
         if replica.length < world:
             continue  # fewer rows than ranks: not worth a special case
         shared[name] = SharedTensor(name, replica.shape, None, (), _split_rows(replica.length, world),
-                                    offset=replica.start)
+                                    offset=replica.start, layer=read_with(name))
     if not shared:
         return None
     dests = {req.name: dest for req, dest in targets.items() if req.name in shared}
