@@ -618,6 +618,9 @@ class Quota(Protocol):
     def directory(self) -> str:
         """The cgroup whose ``cpu.stat`` counts the time the quota held it back."""
 
+    def describe(self) -> str:
+        """The quota in words, for the reads' log line."""
+
 
 @dataclass(frozen=True)
 class EarlyReadsPacing:
@@ -627,6 +630,8 @@ class EarlyReadsPacing:
     group: str | None
     #: Seconds of one pause (``EARLY_READS_QUOTA_PAUSE_S``).
     pause_s: float = 0.0
+    #: The quota in words (``machine.CpuQuota.describe``), for the line that says how long they paused.
+    quota: str = ""
 
 
 def early_reads_pacing(quota: Quota | None) -> EarlyReadsPacing:
@@ -636,7 +641,7 @@ def early_reads_pacing(quota: Quota | None) -> EarlyReadsPacing:
     the engine's CPU time."""
     if quota is None:
         return EarlyReadsPacing(None)
-    return EarlyReadsPacing(quota.directory, EARLY_READS_QUOTA_PAUSE_S)
+    return EarlyReadsPacing(quota.directory, EARLY_READS_QUOTA_PAUSE_S, quota.describe())
 
 
 def early_reads_pause(pacing: EarlyReadsPacing, throttled_before_s: float | None,

@@ -335,8 +335,10 @@ def test_sample_for_holes(span, want) -> None:
     ("/g", None, 2.0, 0.0), ("/g", 1.0, None, 0.0),  # the group does not say: read on
 ])
 def test_early_reads_pause_only_while_their_quota_holds_the_group_back(quota, before, now, want) -> None:
-    pacing = policy.early_reads_pacing(None if quota is None else SimpleNamespace(directory=quota))
+    described = SimpleNamespace(directory=quota, describe=lambda: f"CPU quota at {quota}")
+    pacing = policy.early_reads_pacing(None if quota is None else described)
     assert pacing.group == quota
+    assert pacing.quota == ("" if quota is None else "CPU quota at /g")
     assert policy.early_reads_pause(pacing, before, now) == want
 
 

@@ -89,7 +89,7 @@ def _serve(request: dict[str, Any]) -> None:
         _report_reads(request, time.perf_counter() - start, read, files, stopped)
         if paced.paused_s:
             _report("fastload: early reads: paused %.1f s in all while the %s held the start back",
-                    paced.paused_s, request["pacing_quota"])
+                    paced.paused_s, paced.pacing.quota if paced.pacing else "CPU quota")
         _run_normally()  # only sleeps and lists a directory from now on: let it notice the marks on time
         deadline = time.monotonic() + request["hold_s"]
         while hold is not None and held and not hold.all_done():
@@ -186,12 +186,12 @@ class _Paced:
     a quota."""
 
     def __init__(self, pacing: policy.EarlyReadsPacing | None) -> None:
-        self._pacing = pacing
+        self.pacing = pacing
         self._last = machine.throttled_s(pacing.group) if pacing and pacing.group else None
         self.paused_s = 0.0
 
     def wait(self, load_began: Callable[[], bool]) -> None:
-        pacing = self._pacing
+        pacing = self.pacing
         if pacing is None or pacing.group is None:
             return
         while True:

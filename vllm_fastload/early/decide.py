@@ -131,7 +131,7 @@ def _start(start: EarlyStart, engine: str) -> None:
         reads = start_reading(files if share is None else share.ranges, limit=memory.allowed, hold=marks,
                               hold_s=policy.EARLY_READS_HOLD_S,
                               starved_s=None if start.idle_cpu else policy.EARLY_READS_STARVED_S,
-                              pacing=pacing, quota="" if quota is None else quota.describe())
+                              pacing=pacing)
     finally:
         if reads is None:
             marks.remove()

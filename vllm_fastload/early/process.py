@@ -34,7 +34,7 @@ _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspat
 
 def start_reading(paths: Sequence[str | FileRanges], *, limit: int, hold: LoadMarks | None = None,
                   hold_s: float = 0.0, starved_s: float | None = None,
-                  pacing: policy.EarlyReadsPacing | None = None, quota: str = "") -> ReadingProcess | None:
+                  pacing: policy.EarlyReadsPacing | None = None) -> ReadingProcess | None:
     """Start reading ``paths`` (each a whole file, or some ranges of one) into the page cache in a
     process of its own, if together they fit in ``limit`` bytes; None (and nothing done) otherwise.
 
@@ -45,8 +45,7 @@ def start_reading(paths: Sequence[str | FileRanges], *, limit: int, hold: LoadMa
 
     The process reads at idle CPU priority; with ``starved_s``, once it has waited that many seconds
     for a CPU (the CPUs have no idle time), as a batch job instead; with ``pacing`` of a group,
-    it pauses while the CPU quota over that group (``quota``, in words) holds it back (see
-    ``early.child``)."""
+    it pauses while the CPU quota over that group holds it back (see ``early.child``)."""
     files = [p.path if isinstance(p, FileRanges) else p for p in paths]
     spans = {p.path: p.spans for p in paths if isinstance(p, FileRanges)}
     total = sum(p.nbytes if isinstance(p, FileRanges) else os.path.getsize(p) for p in paths)
@@ -63,8 +62,8 @@ def start_reading(paths: Sequence[str | FileRanges], *, limit: int, hold: LoadMa
                "main_thread": threading.current_thread() is threading.main_thread(),
                "marks": None if hold is None else [hold.directory, hold.expected], "parent": os.getpid(),
                "starved_s": starved_s,
-               "pacing": None if pacing is None or pacing.group is None else [pacing.group, pacing.pause_s],
-               "pacing_quota": quota}
+               "pacing": None if pacing is None or pacing.group is None else
+               [pacing.group, pacing.pause_s, pacing.quota]}
     # -I -S: no site-packages, no environment, not even the current directory on the path: a bare
     # interpreter that starts in milliseconds and imports the standard library and, through the
     # package's empty root, the standard-library-only modules ``child`` runs. Its output and errors
