@@ -209,8 +209,11 @@ def test_reads_with_no_idle_cpu_time_read_on_as_a_batch_job(cold_file: Path, cap
     """Where the start-up keeps every CPU busy (SGLang's), reads at idle priority would get no CPU
     time until the load; with ``starved_s`` they leave idle priority once they have waited that long
     for a CPU, and finish. (Without it they stay at idle priority: the test above.)"""
-    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in os.sched_getaffinity(0)]
+    busy = [subprocess.Popen([sys.executable, "-c", "print('spinning', flush=True)\nwhile True: pass"],
+                             stdout=subprocess.PIPE, text=True) for _ in os.sched_getaffinity(0)]
     try:
+        for hog in busy:  # every CPU busy before the reads start, or they may finish first
+            assert hog.stdout is not None and hog.stdout.readline() == "spinning\n"
         with caplog.at_level(logging.INFO, logger="vllm_fastload"):
             reads = process.start_reading([str(cold_file)], limit=SIZE, starved_s=0.1)
             assert reads is not None
@@ -240,8 +243,7 @@ held = machine.throttled_s(quota.directory)
 deadline = time.monotonic() + 10
 while machine.throttled_s(quota.directory) <= held and time.monotonic() < deadline:
     time.sleep(0.05)
-reads = process.start_reading([sys.argv[1]], limit=1 << 40, starved_s=0.1, pacing=policy.early_reads_pacing(quota),
-                              quota=quota.describe())
+reads = process.start_reading([sys.argv[1]], limit=1 << 40, starved_s=0.1, pacing=policy.early_reads_pacing(quota))
 reads.join(timeout=120)
 [p.wait() for p in spin]
 print("returncode", reads.process.returncode, flush=True)
