@@ -22,8 +22,8 @@ process), and each page is touched once (see ``_Mapping``); ``posix_fadvise(WILL
 only a few percent of a large file. Reading stops as soon as a load begins (it reads the rest
 itself). The mappings stay until the loads have ended (``marks.LoadMarks``; or ``hold_s`` runs out,
 memory runs low, or the starting process ends), because the kernel's proactive reclaim of idle
-page cache (DAMON_RECLAIM, for one) takes only pages that no process maps: read and dropped, a
-checkpoint could be partly gone before the workers ask for it. Mapped pages are still page cache,
+page cache takes only pages that no process maps: unmapped, part of a checkpoint could be
+reclaimed before the workers ask for it. Mapped pages are still page cache,
 which memory pressure can reclaim (after unmapped page cache); they show in the reading process's
 RSS while held. Where the kernel lacks ``MADV_POPULATE_READ`` (before Linux 5.14) each chunk is
 read through one small reused buffer instead, and nothing is held. A file that cannot be read is
