@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 #: At or above this, a cgroup "limit" means none (v1 writes ``PAGE_COUNTER_MAX`` pages, about 2**63).
@@ -328,3 +328,73 @@ def usable_cpus() -> int:
 def cpu_count(cpus: Sequence[int] | None) -> int:
     """CPUs a reader's threads may run on: ``cpus`` where given, else the calling thread's."""
     return len(cpus) if cpus else usable_cpus()
+
+
+@dataclass(frozen=True)
+class CpuTime:
+    """CPU time spent so far on some CPUs, split by whom: what ``policy.starved_reads`` compares
+    between two looks."""
+
+    #: Seconds those CPUs have run anything (neither idle nor waiting for a disk), since boot.
+    busy_s: float
+    #: Seconds the processes of one start (a process and its descendants) have run, their ended
+    #: children's included.
+    start_s: float
+
+
+def cpu_time(start: int, *, leave_out: int, cpus: Collection[int] | None = None,
+             proc: str = "/proc") -> CpuTime | None:
+    """The CPU time of ``cpus`` (the calling thread's where None), and of process ``start`` with its
+    descendants but for ``leave_out`` and its own; None where the kernel does not say
+    (``/proc/stat``, ``/proc/<pid>/stat``)."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    try:
+        wanted = set(os.sched_getaffinity(0) if cpus is None else cpus)
+        busy = _busy_ticks(os.path.join(proc, "stat"), wanted)
+        tree = _tree_ticks(proc, start, leave_out)
+    except (AttributeError, OSError, ValueError, IndexError):
+        return None
+    return None if busy is None or tree is None else CpuTime(busy / tick, tree / tick)
+
+
+def _busy_ticks(stat: str, cpus: set[int]) -> int | None:
+    """Ticks ``cpus`` ran anything: every ``/proc/stat`` field of each but idle and iowait (guest
+    time is counted in user time already, so those two fields are left out too)."""
+    total, seen = 0, 0
+    with open(stat) as f:
+        for line in f:
+            name, _, rest = line.partition(" ")
+            if not name.startswith("cpu") or not name[3:].isdigit() or int(name[3:]) not in cpus:
+                continue
+            fields = [int(v) for v in rest.split()]
+            total += sum(fields[:8]) - fields[3] - fields[4]  # user nice system idle iowait irq softirq steal
+            seen += 1
+    return total if seen else None
+
+
+def _tree_ticks(proc: str, root: int, leave_out: int) -> int | None:
+    """Ticks ``root`` and its descendants have run (ended children reaped by them included), but for
+    ``leave_out`` and its descendants; None where ``root`` is gone."""
+    parents: dict[int, int] = {}
+    ticks: dict[int, int] = {}
+    for entry in os.listdir(proc):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(os.path.join(proc, entry, "stat")) as f:
+                text = f.read()
+        except OSError:
+            continue  # ended while listed
+        fields = text[text.rindex(")") + 2:].split()  # the name, in parentheses, may hold anything
+        parents[int(entry)] = int(fields[1])
+        ticks[int(entry)] = sum(int(v) for v in fields[11:15])  # utime stime cutime cstime
+    if root not in ticks:
+        return None
+    total = 0
+    for pid, spent in ticks.items():
+        ancestor = pid
+        while ancestor not in (root, leave_out, 0, 1) and ancestor in parents:
+            ancestor = parents[ancestor]
+        if ancestor == root:
+            total += spent
+    return total

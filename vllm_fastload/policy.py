@@ -110,8 +110,9 @@ EARLY_READS_MEMORY_SHARE = 0.5
 EARLY_READS_GAP = 128 << 10
 
 #: Seconds early reads may wait for a CPU at idle priority before they read on as a batch job, for
-#: an engine whose start-up keeps every core busy until the load (SGLang's): long enough to tell a
-#: start-up with no idle time from a busy moment, short against its seconds before the load.
+#: an engine whose start-up keeps every core busy until the load (SGLang's; ``starved_reads`` says
+#: whether the start-up is what keeps them busy): long enough to tell a start-up with no idle time
+#: from a busy moment, short against its seconds before the load.
 EARLY_READS_STARVED_S = 1.0
 
 #: Seconds early reads pause once the CPU quota over them has held its group back since they last
@@ -657,6 +658,48 @@ def early_reads_pause(pacing: EarlyReadsPacing, throttled_before_s: float | None
     if throttled_before_s is None or throttled_now_s is None:
         return 0.0
     return pacing.pause_s if throttled_now_s > throttled_before_s else 0.0
+
+
+class StarvedReads(str, enum.Enum):
+    """What early reads that have waited ``EARLY_READS_STARVED_S`` for a CPU do next."""
+
+    #: The start's own processes keep the CPUs busy (SGLang's start-up): a fair share for the reads
+    #: is a small cost to it, repaid at the load.
+    BATCH = "reading on as a batch job: the start's own processes keep the CPUs busy"
+    #: Other work keeps the CPUs busy: a fair share for the reads would come out of the start's
+    #: share too, for no idle time to repay it; the load reads what they have not.
+    IDLE = "reading on at idle priority only: other work keeps the CPUs busy"
+
+
+class Spent(Protocol):
+    """CPU time as ``starved_reads`` sees it (``machine.CpuTime``)."""
+
+    @property
+    def busy_s(self) -> float:
+        """Seconds the CPUs have run anything."""
+
+    @property
+    def start_s(self) -> float:
+        """Seconds the start's processes have run."""
+
+
+def starved_reads(before: Spent | None, now: Spent | None, reads_s: float) -> StarvedReads:
+    """``BATCH`` where the start's processes ran at least as long as everything else on its CPUs
+    between two looks (``reads_s``: the reads' own time, counted as neither), else ``IDLE``; and
+    ``BATCH`` where the kernel does not say.
+
+    Example:
+        >>> from types import SimpleNamespace as T
+        >>> starved_reads(T(busy_s=0, start_s=0), T(busy_s=2.0, start_s=0.7), 0.1).name
+        'IDLE'
+        >>> starved_reads(T(busy_s=0, start_s=0), T(busy_s=2.0, start_s=1.8), 0.1).name
+        'BATCH'
+    """
+    if before is None or now is None:
+        return StarvedReads.BATCH
+    start = now.start_s - before.start_s
+    other = now.busy_s - before.busy_s - start - reads_s
+    return StarvedReads.BATCH if start >= other else StarvedReads.IDLE
 
 
 class EarlyScope(str, enum.Enum):

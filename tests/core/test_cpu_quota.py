@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from vllm_fastload.bench.contention import MachineLoad
-from vllm_fastload.machine import CpuQuota, cpu_quota
+from vllm_fastload.machine import CpuQuota, CpuTime, cpu_quota, cpu_time
 
 from .test_bench_contention import _quota_reason
 from .test_memory_limits import _layout
@@ -63,3 +63,55 @@ def test_a_process_in_a_real_quota_group_counts_the_cpus_it_gives(cpus: float, u
     found, kind, counted = json.loads(out)
     assert found == pytest.approx(cpus) and kind.startswith("cgroup v")
     assert counted == min(usable, len(os.sched_getaffinity(0)))
+
+
+def _proc(root: Path, stat: str, processes: dict[int, tuple[str, int, int]]) -> str:
+    """A /proc of ``stat`` and one ``<pid>/stat`` per process: (name, parent, ticks split over utime,
+    stime, cutime, cstime)."""
+    (root / "stat").parent.mkdir(parents=True, exist_ok=True)
+    (root / "stat").write_text(stat)
+    for pid, (name, parent, ticks) in processes.items():
+        (root / str(pid)).mkdir()
+        fields = ["S", str(parent)] + ["0"] * 9 + [str(ticks - 3), "1", "1", "1"] + ["0"] * 30
+        (root / str(pid) / "stat").write_text(f"{pid} ({name}) {' '.join(fields)}\n")
+    return str(root)
+
+
+def test_cpu_time_of_a_start_and_of_its_cpus_from_proc(tmp_path: Path):
+    """The CPUs' busy time is every field but idle and iowait, of the CPUs asked for only; the
+    start's is its own and its descendants' but for the reading process's subtree."""
+    stat = ("cpu  900 0 900 9000 900 0 0 0 0 0\n"
+            "cpu0 100 10 50 5000 400 5 5 30 7 0\n"
+            "cpu1 300 0 100 4000 500 0 0 0 0 0\n"
+            "intr 12345\n")
+    proc = _proc(tmp_path / "proc", stat, {
+        1: ("init", 0, 10), 40: ("start (a) b)", 1, 500), 41: ("scheduler", 40, 200), 42: ("reads", 40, 50),
+        43: ("its child", 42, 70), 44: ("grandchild", 41, 30), 50: ("other job", 1, 9000)})
+    spent = cpu_time(40, leave_out=42, cpus=[0], proc=proc)
+    assert spent == CpuTime(busy_s=(100 + 10 + 50 + 5 + 5 + 30) / os.sysconf("SC_CLK_TCK"),
+                            start_s=(500 + 200 + 30) / os.sysconf("SC_CLK_TCK"))
+    both = cpu_time(40, leave_out=42, cpus=[0, 1], proc=proc)
+    assert both is not None and both.busy_s == (200 + 400) / os.sysconf("SC_CLK_TCK")
+    assert cpu_time(77, leave_out=42, cpus=[0], proc=proc) is None  # the start has ended
+    assert cpu_time(40, leave_out=42, cpus=[5], proc=proc) is None  # no such CPU
+
+
+#: A process that spends one second of CPU time and ends.
+SPIN = "import time\nend = time.process_time() + 1\nwhile time.process_time() < end: pass"
+
+
+def test_cpu_time_of_a_real_start_counts_its_children_and_not_others():
+    """A busy child of this process counts as its start's time; a busy process that is not its
+    descendant (its parent ended at once) counts only in the CPUs' busy time."""
+    before = cpu_time(os.getpid(), leave_out=-1)
+    own = subprocess.Popen([sys.executable, "-c", SPIN])
+    orphaned = f"import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', {SPIN!r}])"
+    other = subprocess.Popen([sys.executable, "-c", orphaned], stdout=subprocess.PIPE)
+    assert other.stdout is not None
+    other.wait()
+    other.stdout.read()  # its orphaned child held the pipe until it ended
+    own.wait()  # (reaped: the child's time moves into this process's cutime)
+    after = cpu_time(os.getpid(), leave_out=-1)
+    assert before is not None and after is not None
+    assert 0.95 <= after.start_s - before.start_s <= 1.7, (before, after)  # one spinner's second, and starting two
+    assert after.busy_s - before.busy_s >= 1.9, (before, after)

@@ -205,12 +205,18 @@ def test_the_reads_run_in_a_process_of_their_own_on_idle_cpu_time(cold_file: Pat
     assert not reads.is_alive() and reads.process.returncode == 0
 
 
+#: Busy processes that leave no idle CPU time: two per CPU, so that none is idle for a moment while
+#: the kernel moves one between CPUs.
+_BUSY = 2 * len(os.sched_getaffinity(0))
+
+
 def test_reads_with_no_idle_cpu_time_read_on_as_a_batch_job(cold_file: Path, caplog):
-    """Where the start-up keeps every CPU busy (SGLang's), reads at idle priority would get no CPU
-    time until the load; with ``starved_s`` they leave idle priority once they have waited that long
-    for a CPU, and finish. (Without it they stay at idle priority: the test above.)"""
+    """Where the start-up keeps every CPU busy (SGLang's; here this process's own busy children),
+    reads at idle priority would get no CPU time until the load; with ``starved_s`` they leave idle
+    priority once they have waited that long for a CPU, and finish. (Without it they stay at idle
+    priority: the test above.)"""
     busy = [subprocess.Popen([sys.executable, "-c", "print('spinning', flush=True)\nwhile True: pass"],
-                             stdout=subprocess.PIPE, text=True) for _ in os.sched_getaffinity(0)]
+                             stdout=subprocess.PIPE, text=True) for _ in range(_BUSY)]
     try:
         for hog in busy:  # every CPU busy before the reads start, or they may finish first
             assert hog.stdout is not None and hog.stdout.readline() == "spinning\n"
@@ -223,7 +229,46 @@ def test_reads_with_no_idle_cpu_time_read_on_as_a_batch_job(cold_file: Path, cap
             hog.kill()
             hog.wait()
     assert not reads.is_alive() and reads.process.returncode == 0
-    assert "no idle CPU time for them" in caplog.text and "reading on as a batch job" in caplog.text
+    assert "no idle CPU time for them" in caplog.text
+    assert "reading on as a batch job: the start's own processes keep the CPUs busy" in caplog.text
+    assert "1 of 1 files in the page cache" in caplog.text
+    assert _cached_share(cold_file) == 1.0
+
+
+#: A process that keeps a CPU busy, started so that it is not this one's descendant (its parent
+#: ends at once): another job on the node. It prints its id; its output pipe closes as it ends.
+OTHER_JOB = ("import subprocess, sys\n"
+             "p = subprocess.Popen([sys.executable, '-c', \"print('spinning', flush=True)\\nwhile True: pass\"])\n"
+             "print(p.pid, flush=True)")
+
+
+def test_reads_starved_by_other_work_stay_at_idle_priority(cold_file: Path, caplog):
+    """Where other work keeps every CPU busy (a job beside the start, none of its processes), a
+    share for the reads would come out of the start's too: starved, they stay at idle priority,
+    say why, and read on only as that work leaves time (here once it has ended)."""
+    jobs = [subprocess.Popen([sys.executable, "-c", OTHER_JOB], stdout=subprocess.PIPE, text=True)
+            for _ in range(_BUSY)]
+    pids = []
+    with caplog.at_level(logging.INFO, logger="vllm_fastload"):
+        try:
+            for job in jobs:
+                assert job.stdout is not None
+                pids.append(int(job.stdout.readline()))
+                assert job.stdout.readline() == "spinning\n"  # every CPU busy before the reads start
+            reads = process.start_reading([str(cold_file)], limit=SIZE, starved_s=0.1)
+            assert reads is not None
+            assert _wait(lambda: "no idle CPU time for them" in caplog.text, timeout=120), caplog.text
+        finally:
+            for pid in pids:
+                os.kill(pid, 9)
+            for job in jobs:
+                job.wait()
+        reads.join(timeout=60)
+    assert not reads.is_alive() and reads.process.returncode == 0
+    assert "reading on at idle priority only: other work keeps the CPUs busy" in caplog.text
+    assert "batch job" not in caplog.text
+    other = re.search(r"the start's processes ran ([\d.]+) CPU s, other work ([\d.]+)\)", caplog.text)
+    assert other and float(other.group(2)) > float(other.group(1)), caplog.text
     assert "1 of 1 files in the page cache" in caplog.text
     assert _cached_share(cold_file) == 1.0
 

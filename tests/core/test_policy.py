@@ -342,6 +342,23 @@ def test_early_reads_pause_only_while_their_quota_holds_the_group_back(quota, be
     assert policy.early_reads_pause(pacing, before, now) == want
 
 
+@pytest.mark.parametrize("busy,start,reads,want", [
+    (2.0, 1.8, 0.1, policy.StarvedReads.BATCH),  # the start's processes took the CPUs (SGLang's start-up)
+    (2.0, 0.7, 0.1, policy.StarvedReads.IDLE),  # other work took twice what the start did (a busy node)
+    (2.0, 0.95, 0.1, policy.StarvedReads.BATCH),  # a tie goes to the start: the reads' own time is neither's
+    (2.0, 0.0, 2.0, policy.StarvedReads.BATCH),  # only the reads ran: nothing else to yield to
+])
+def test_starved_reads_leave_idle_priority_only_where_the_start_kept_the_cpus_busy(busy, start, reads, want) -> None:
+    assert policy.starved_reads(SimpleNamespace(busy_s=10.0, start_s=5.0),
+                                SimpleNamespace(busy_s=10.0 + busy, start_s=5.0 + start), reads) is want
+
+
+@pytest.mark.parametrize("before,now", [(None, SimpleNamespace(busy_s=1, start_s=0)),
+                                        (SimpleNamespace(busy_s=1, start_s=0), None)])
+def test_starved_reads_leave_idle_priority_where_the_kernel_does_not_say(before, now) -> None:
+    assert policy.starved_reads(before, now, 0.0) is policy.StarvedReads.BATCH
+
+
 @pytest.mark.parametrize(("reader_ahead", "remote", "expected"), [
     (0, False, 0),                                        # local files: the reader's threads are the limit
     (64 << 20, False, 64 << 20),                          # a staged reader's slots

@@ -11,7 +11,10 @@ all (SGLang's, whose processes keep every core busy until the load), idle priori
 reads and they have not finished when the load begins; with ``starved_s`` the process leaves idle
 priority once it has waited that long for a CPU and reads on as a batch job (``SCHED_BATCH``: a
 fair share, never preempting the start-up's processes as it wakes). Reading costs little CPU (the
-kernel fills the pages; the process touches each once), so that share is small. Under a CPU quota
+kernel fills the pages; the process touches each once), so that share is small. Only where the
+start's own processes kept the CPUs busy while it waited: where other work on the node did, a
+share for the reads would come out of the start's too, with no idle time ahead to repay it, and
+the process stays at idle priority (``policy.starved_reads``). Under a CPU quota
 (a container's CPU limit) idle priority is not enough: the reads spend the quota the engine's
 processes share, however idle the CPUs are; so with ``pacing`` the process pauses between chunks
 whenever the quota has held its group back since it last looked (``policy.early_reads_pause``).
@@ -63,9 +66,9 @@ def _serve(request: dict[str, Any]) -> None:
     parent = request["parent"]
     if request.get("main_thread"):
         _end_with(parent)
+    starved = _Starved(request.get("starved_s"), parent)  # (its first look before idle priority can starve it)
     _run_when_idle()
     start = time.perf_counter()
-    starved = _Starved(request.get("starved_s"), start)
     paced = _Paced(policy.EarlyReadsPacing(*request["pacing"]) if request.get("pacing") else None)
     paths = request["paths"]
     hold = None if request["marks"] is None else LoadMarks(request["marks"][1], directory=request["marks"][0])
@@ -159,25 +162,49 @@ def _run_when_idle() -> None:
 
 
 class _Starved:
-    """Leaves idle priority for ``SCHED_BATCH`` once the process has waited ``limit_s`` seconds for a
-    CPU (the run-queue wait the kernel counts in ``/proc/self/schedstat``); never without a limit."""
+    """Once the process has waited ``limit_s`` seconds for a CPU (the run-queue wait the kernel counts
+    in ``/proc/self/schedstat``), leaves idle priority for ``SCHED_BATCH`` where the start's own
+    processes (``start`` and its descendants) are what kept the CPUs busy meanwhile, and stays
+    where other work did (``policy.starved_reads``); never without a limit."""
 
-    def __init__(self, limit_s: float | None, start: float) -> None:
-        self._limit_s, self._start, self._done = limit_s, start, limit_s is None
+    def __init__(self, limit_s: float | None, start: int) -> None:
+        self._limit_s, self._starter, self._done = limit_s, start, limit_s is None
+        self._began = time.perf_counter()
+        self._before = None if self._done else machine.cpu_time(start, leave_out=os.getpid())
+        self._own = _own_cpu_s()
+        self._waited = _cpu_wait_s()  # (its start, at normal priority, waited too: not starved)
 
     def check(self) -> None:
         if self._done:
             return
         waited = _cpu_wait_s()
-        if waited is None or waited < (self._limit_s or 0.0):
+        if waited is None or self._waited is None:
+            return
+        waited -= self._waited
+        if waited < (self._limit_s or 0.0):
             return
         self._done = True
-        try:
+        try:  # first, for the look at the CPU time: at idle priority it would starve as the reads do
             os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
         except (AttributeError, OSError):
             return
-        _report("fastload: early reads: no idle CPU time for them (%.1f s waiting for a CPU in %.1f s); "
-                "reading on as a batch job", waited, time.perf_counter() - self._start)
+        now = machine.cpu_time(self._starter, leave_out=os.getpid())
+        own = _own_cpu_s() - self._own
+        decision = policy.starved_reads(self._before, now, own)
+        spent = ""
+        if self._before is not None and now is not None:
+            start = now.start_s - self._before.start_s
+            spent = (f" (meanwhile the start's processes ran {start:.1f} CPU s, other work "
+                     f"{now.busy_s - self._before.busy_s - start - own:.1f})")
+        if decision is policy.StarvedReads.IDLE:
+            _run_when_idle()
+        _report("fastload: early reads: no idle CPU time for them (%.1f s waiting for a CPU in %.1f s); %s%s",
+                waited, time.perf_counter() - self._began, decision.value, spent)
+
+
+def _own_cpu_s() -> float:
+    times = os.times()
+    return times.user + times.system
 
 
 class _Paced:
