@@ -24,6 +24,12 @@
 # left out (say so: it is printed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The environments and the tests' files take about 17 GB: say so first where less is free, since
+# pip's own error for a full disk names neither.
+free_gb=$(df -Pk . | awk 'NR == 2 {print int($4 / 1048576)}')
+if [ "${free_gb:-0}" -lt 18 ]; then
+  echo "warning: ${free_gb} GB free on the filesystem of $PWD; a full run writes about 17 GB (the environments, then the tests' files)" >&2
+fi
 OLDEST_VLLM=0.29.0
 NEWEST_VLLM=0.33.0  # GPU build only
 SGLANG=0.5.23

@@ -59,7 +59,8 @@ class EarlyStart:
     layout: NodeLayout | None = None
     #: Whether the engine's start-up leaves idle CPU time for the reads (SGLang's keeps every core
     #: busy until the load): where not, the reading process leaves idle priority once it has waited
-    #: ``policy.EARLY_READS_STARVED_S`` for a CPU (``early.child``).
+    #: ``policy.EARLY_READS_STARVED_S`` for a CPU, if the start's processes kept the CPUs busy
+    #: (``policy.starved_reads``, ``early.child``).
     idle_cpu: bool = True
 
     def __post_init__(self) -> None:

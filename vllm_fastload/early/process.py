@@ -44,7 +44,8 @@ def start_reading(paths: Sequence[str | FileRanges], *, limit: int, hold: LoadMa
     the reading process too); then it unmaps them, removes the marks and ends.
 
     The process reads at idle CPU priority; with ``starved_s``, once it has waited that many seconds
-    for a CPU (the CPUs have no idle time), as a batch job instead; with ``pacing`` of a group,
+    for a CPU (the CPUs have no idle time) while this process's own tree kept them busy, as a batch
+    job instead (``policy.starved_reads``); with ``pacing`` of a group,
     it pauses while the CPU quota over that group holds it back (see ``early.child``)."""
     files = [p.path if isinstance(p, FileRanges) else p for p in paths]
     spans = {p.path: p.spans for p in paths if isinstance(p, FileRanges)}
