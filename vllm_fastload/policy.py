@@ -128,6 +128,10 @@ EARLY_READS_LOW_MEMORY = 0.1
 #: Bytes early reads populate at a time: between two looks for a load that has begun (which stops
 #: them), so a load waits at most this long for the disk they share.
 EARLY_READS_CHUNK = 16 << 20
+#: Bytes early reads populate at a time while they may yet leave idle priority
+#: (``EARLY_READS_STARVED_S``): they look for their wait between two chunks, and a starved chunk
+#: of ``EARLY_READS_CHUNK`` could take seconds to come back to look.
+EARLY_READS_STARVED_CHUNK = 1 << 20
 #: Seconds between two looks of the reading process for the loads' marks (and for memory running
 #: low) while it holds the files: a load's end is noticed this late at most.
 EARLY_READS_POLL_S = 0.2
@@ -658,6 +662,13 @@ def early_reads_pause(pacing: EarlyReadsPacing, throttled_before_s: float | None
     if throttled_before_s is None or throttled_now_s is None:
         return 0.0
     return pacing.pause_s if throttled_now_s > throttled_before_s else 0.0
+
+
+def early_reads_chunk(*, looking: bool) -> int:
+    """Bytes early reads populate before they next look at their CPU wait and for a load:
+    ``EARLY_READS_STARVED_CHUNK`` while ``looking`` (they may yet leave idle priority), else
+    ``EARLY_READS_CHUNK``."""
+    return EARLY_READS_STARVED_CHUNK if looking else EARLY_READS_CHUNK
 
 
 class StarvedReads(str, enum.Enum):

@@ -205,9 +205,10 @@ def test_the_reads_run_in_a_process_of_their_own_on_idle_cpu_time(cold_file: Pat
     assert not reads.is_alive() and reads.process.returncode == 0
 
 
-#: Busy processes that leave no idle CPU time: two per CPU, so that none is idle for a moment while
-#: the kernel moves one between CPUs.
-_BUSY = 2 * len(os.sched_getaffinity(0))
+#: Busy processes that leave no idle CPU time: twice as many as CPUs (``_CPUS``), so that none is
+#: idle for a moment while the kernel moves one between CPUs.
+_CPUS = len(os.sched_getaffinity(0))
+_BUSY = 2 * _CPUS
 
 
 def test_reads_with_no_idle_cpu_time_read_on_as_a_batch_job(cold_file: Path, caplog):
@@ -215,15 +216,20 @@ def test_reads_with_no_idle_cpu_time_read_on_as_a_batch_job(cold_file: Path, cap
     reads at idle priority would get no CPU time until the load; with ``starved_s`` they leave idle
     priority once they have waited that long for a CPU, and finish. (Without it they stay at idle
     priority: the test above.)"""
+    # Where the kernel shares CPU time between sessions first (autogroups), the start's processes
+    # keep the CPUs busy only with most of them in sessions of their own (else this session gets
+    # no more than any other running beside the test), and the reads wait for a CPU only with some
+    # in this one, the reading process's.
     busy = [subprocess.Popen([sys.executable, "-c", "print('spinning', flush=True)\nwhile True: pass"],
-                             stdout=subprocess.PIPE, text=True) for _ in range(_BUSY)]
+                             stdout=subprocess.PIPE, text=True, start_new_session=n >= _CPUS)
+            for n in range(4 * _CPUS)]
     try:
         for hog in busy:  # every CPU busy before the reads start, or they may finish first
             assert hog.stdout is not None and hog.stdout.readline() == "spinning\n"
         with caplog.at_level(logging.INFO, logger="vllm_fastload"):
-            reads = process.start_reading([str(cold_file)], limit=SIZE, starved_s=0.1)
+            reads = process.start_reading([str(cold_file)], limit=SIZE, starved_s=0.5)
             assert reads is not None
-            reads.join(timeout=120)
+            reads.join(timeout=300)  # (starved in a busy session, a chunk at idle priority takes seconds)
     finally:
         for hog in busy:
             hog.kill()
@@ -255,7 +261,7 @@ def test_reads_starved_by_other_work_stay_at_idle_priority(cold_file: Path, capl
                 assert job.stdout is not None
                 pids.append(int(job.stdout.readline()))
                 assert job.stdout.readline() == "spinning\n"  # every CPU busy before the reads start
-            reads = process.start_reading([str(cold_file)], limit=SIZE, starved_s=0.1)
+            reads = process.start_reading([str(cold_file)], limit=SIZE, starved_s=0.5)
             assert reads is not None
             assert _wait(lambda: "no idle CPU time for them" in caplog.text, timeout=120), caplog.text
         finally:
@@ -427,6 +433,38 @@ def test_reads_stop_when_a_load_begins(tmp_path: Path, caplog):
         for view in held:
             view.close()
         marks.remove()
+
+
+@pytest.mark.parametrize("spans,ranges", [
+    (None, [(0, (40 << 20) + 777)]),
+    ([(5000, (3 << 20) + 100), (8 << 20, 40 << 20)], [(4096, (3 << 20) + 4096), (8 << 20, 40 << 20)]),
+])
+def test_chunks_are_as_large_as_asked_at_each_step_and_cover_the_ranges_exactly(spans, ranges):
+    """While the reads may yet leave idle priority they look between small chunks, then between
+    large ones: the chunk is asked for at each step, and the pieces cover each range (widened to
+    whole pages) exactly once, in order."""
+    given: list[int] = []
+
+    def chunk() -> int:
+        given.append(policy.early_reads_chunk(looking=len(given) < 5))
+        return given[-1]
+
+    pieces = list(child._pieces((40 << 20) + 777, spans, chunk))
+    assert given[:5] == [policy.EARLY_READS_STARVED_CHUNK] * 5 and set(given[5:]) == {policy.EARLY_READS_CHUNK}
+    assert all(length <= size for (_, length), size in zip(pieces, given))
+    merged: list[tuple[int, int]] = []
+    for offset, length in pieces:
+        if merged and merged[-1][1] == offset:
+            merged[-1] = (merged[-1][0], offset + length)
+        else:
+            assert not merged or merged[-1][1] < offset  # in order, never twice
+            merged.append((offset, offset + length))
+    assert merged == ranges
+
+
+def test_the_chunk_is_small_only_while_the_reads_may_leave_idle_priority():
+    assert policy.early_reads_chunk(looking=True) == policy.EARLY_READS_STARVED_CHUNK < policy.EARLY_READS_CHUNK
+    assert policy.early_reads_chunk(looking=False) == policy.EARLY_READS_CHUNK
 
 
 def test_the_checkpoint_share_in_the_page_cache_is_what_the_rank_line_reports(tmp_path: Path):

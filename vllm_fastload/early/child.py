@@ -19,7 +19,9 @@ the process stays at idle priority (``policy.starved_reads``). Under a CPU quota
 processes share, however idle the CPUs are; so with ``pacing`` the process pauses between chunks
 whenever the quota has held its group back since it last looked (``policy.early_reads_pause``).
 
-Each file is mapped and populated ``policy.EARLY_READS_CHUNK`` bytes at a time
+Each file is mapped and populated ``policy.EARLY_READS_CHUNK`` bytes at a time, or
+``policy.EARLY_READS_STARVED_CHUNK`` while it may yet leave idle priority (it looks between two
+chunks, and a large one populated while starved takes seconds to come back)
 (``madvise(MADV_POPULATE_READ)``: the kernel reads the pages in, nothing is copied into the
 process), and each page is touched once (see ``_Mapping``); ``posix_fadvise(WILLNEED)`` alone reads
 only a few percent of a large file. Reading stops as soon as a load begins (it reads the rest
@@ -88,7 +90,8 @@ def _serve(request: dict[str, Any]) -> None:
             return load_began()
 
         spans = request.get("spans") or {}
-        held, read, files, stopped = _read_in(paths, hold=hold is not None, stop=stop, spans=spans)
+        held, read, files, stopped = _read_in(paths, hold=hold is not None, stop=stop, spans=spans,
+                                              chunk=lambda: policy.early_reads_chunk(looking=starved.looking))
         _report_reads(request, time.perf_counter() - start, read, files, stopped)
         if paced.paused_s:
             _report("fastload: early reads: paused %.1f s in all while the %s held the start back",
@@ -174,6 +177,11 @@ class _Starved:
         self._own = _own_cpu_s()
         self._waited = _cpu_wait_s()  # (its start, at normal priority, waited too: not starved)
 
+    @property
+    def looking(self) -> bool:
+        """Whether it may yet leave idle priority."""
+        return not self._done
+
     def check(self) -> None:
         if self._done:
             return
@@ -254,15 +262,17 @@ def _memory_low(share: float) -> bool:
 
 
 def _read_in(paths: list[str], *, hold: bool = False, stop: Callable[[], bool] | None = None,
-             spans: dict[str, Sequence[Sequence[int]]] | None = None) -> tuple[list[_Mapping], int, int, bool]:
+             spans: dict[str, Sequence[Sequence[int]]] | None = None,
+             chunk: Callable[[], int] | None = None) -> tuple[list[_Mapping], int, int, bool]:
     """Read ``paths`` into the page cache, a chunk at a time, until ``stop()`` says to stop: the
     mappings of the files when ``hold`` (else none), the bytes read, the files read whole (or
     every span of), and whether it stopped. ``spans``: for the files named, only these
-    ``[start, end)`` ranges (see ``_pieces``).
+    ``[start, end)`` ranges (see ``_pieces``); ``chunk()``: the size of the next chunk
+    (``policy.EARLY_READS_CHUNK`` without it).
 
     Stopping matters once a load has begun: it reads what it needs itself, in its own order, and
     reading the same bytes here would only make the two share the disk."""
-    reader = _FileReader()
+    reader = _FileReader(chunk or (lambda: policy.EARLY_READS_CHUNK))
     held: list[_Mapping] = []
     read = files = 0
     stopped = False
@@ -284,9 +294,10 @@ class _FileReader:
     where only ranges of it are read (see ``_Mapping``); through the buffer alone once the kernel
     turns out not to populate mappings (nothing is held then)."""
 
-    def __init__(self) -> None:
+    def __init__(self, chunk: Callable[[], int]) -> None:
         self._buffer: bytearray | None = None  # made on first use
         self._unmappable = False
+        self._chunk_size = chunk
 
     def read(self, path: str, spans: Sequence[Sequence[int]] | None,
              stop: Callable[[], bool] | None) -> tuple[_Mapping | None, int, bool, bool]:
@@ -302,14 +313,16 @@ class _FileReader:
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
                 if size and not self._unmappable:
                     mapping = _Mapping(fd, size, exact=exact)
-                pieces = list(_pieces(size, spans))
-                for n, (offset, length) in enumerate(pieces):
+                pieces = _pieces(size, spans, self._chunk_size)
+                piece, n = next(pieces, None), 0
+                while piece is not None:
                     if stop is not None and n and stop():
                         return mapping, read, False, True
-                    if exact and n + 1 < len(pieces):  # the disk reads the next piece while this one is copied
-                        os.posix_fadvise(fd, *pieces[n + 1], os.POSIX_FADV_WILLNEED)
-                    mapping = self._chunk(fd, mapping, offset, length, exact)
-                    read += length
+                    following = next(pieces, None)
+                    if exact and following is not None:  # the disk reads the next piece while this one is copied
+                        os.posix_fadvise(fd, *following, os.POSIX_FADV_WILLNEED)
+                    mapping = self._chunk(fd, mapping, *piece, exact)
+                    read, piece, n = read + piece[1], following, n + 1
         except (OSError, ValueError):  # ValueError: mmap of a file that shrank since its size was read
             return mapping, read, False, False
         return mapping, read, True, False
@@ -332,17 +345,21 @@ class _FileReader:
         _read_through(fd, offset, length, self._buffer)
 
 
-def _pieces(size: int, spans: Sequence[Sequence[int]] | None) -> Iterator[tuple[int, int]]:
+def _pieces(size: int, spans: Sequence[Sequence[int]] | None,
+            chunk: Callable[[], int] = lambda: policy.EARLY_READS_CHUNK) -> Iterator[tuple[int, int]]:
     """``(offset, length)`` of the chunks to read of a file of ``size`` bytes: all of it, or each
     span widened to whole pages (``madvise`` takes page-aligned ranges; the kernel reads whole
-    pages anyway) and clipped to the file, in chunks of at most ``policy.EARLY_READS_CHUNK``."""
+    pages anyway) and clipped to the file, in chunks of at most ``chunk()`` bytes (asked for each)."""
     page = mmap.PAGESIZE
     sections = [(0, size)] if spans is None else [
         (start // page * page, min(size, -(-end // page) * page)) for start, end in spans]
     done = 0  # sections are sorted and disjoint, but widening may make neighbours overlap
     for start, end in sections:
-        for offset in range(max(start, done), end, policy.EARLY_READS_CHUNK):
-            yield offset, min(policy.EARLY_READS_CHUNK, end - offset)
+        offset = max(start, done)
+        while offset < end:
+            length = min(chunk(), end - offset)
+            yield offset, length
+            offset += length
         done = max(done, end)
 
 
