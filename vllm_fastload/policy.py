@@ -694,6 +694,25 @@ class Spent(Protocol):
         """Seconds the start's processes have run."""
 
 
+@dataclass(frozen=True)
+class CpuSplit:
+    """CPU time between two looks, by whom: what ``starved_reads`` decides on and logs."""
+
+    #: Seconds the start's processes ran.
+    start_s: float
+    #: Seconds everything else ran on the same CPUs (the reads themselves left out).
+    other_s: float
+
+
+def cpu_split(before: Spent | None, now: Spent | None, reads_s: float) -> CpuSplit | None:
+    """The CPU time between two looks, the start's against everything else's (``reads_s``: the
+    reads' own, counted as neither); None where either look has nothing."""
+    if before is None or now is None:
+        return None
+    start = now.start_s - before.start_s
+    return CpuSplit(start, now.busy_s - before.busy_s - start - reads_s)
+
+
 def starved_reads(before: Spent | None, now: Spent | None, reads_s: float) -> StarvedReads:
     """``BATCH`` where the start's processes ran at least as long as everything else on its CPUs
     between two looks (``reads_s``: the reads' own time, counted as neither), else ``IDLE``; and
@@ -706,11 +725,8 @@ def starved_reads(before: Spent | None, now: Spent | None, reads_s: float) -> St
         >>> starved_reads(T(busy_s=0, start_s=0), T(busy_s=2.0, start_s=1.8), 0.1).name
         'BATCH'
     """
-    if before is None or now is None:
-        return StarvedReads.BATCH
-    start = now.start_s - before.start_s
-    other = now.busy_s - before.busy_s - start - reads_s
-    return StarvedReads.BATCH if start >= other else StarvedReads.IDLE
+    split = cpu_split(before, now, reads_s)
+    return StarvedReads.BATCH if split is None or split.start_s >= split.other_s else StarvedReads.IDLE
 
 
 class EarlyScope(str, enum.Enum):

@@ -216,10 +216,10 @@ def test_reads_with_no_idle_cpu_time_read_on_as_a_batch_job(cold_file: Path, cap
     reads at idle priority would get no CPU time until the load; with ``starved_s`` they leave idle
     priority once they have waited that long for a CPU, and finish. (Without it they stay at idle
     priority: the test above.)"""
-    # Where the kernel shares CPU time between sessions first (autogroups), the start's processes
-    # keep the CPUs busy only with most of them in sessions of their own (else this session gets
-    # no more than any other running beside the test), and the reads wait for a CPU only with some
-    # in this one, the reading process's.
+    # Where the kernel shares CPU time between process sessions (``setsid``) before the processes in
+    # them (autogroups), the busy processes outrun whatever else runs beside the test only from
+    # sessions of their own, and the reads wait for a CPU only behind busy processes of their own
+    # session: so three per CPU run in new sessions, and one per CPU in the reading process's.
     busy = [subprocess.Popen([sys.executable, "-c", "print('spinning', flush=True)\nwhile True: pass"],
                              stdout=subprocess.PIPE, text=True, start_new_session=n >= _CPUS)
             for n in range(4 * _CPUS)]

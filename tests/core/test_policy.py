@@ -357,6 +357,13 @@ def test_starved_reads_leave_idle_priority_only_where_the_start_kept_the_cpus_bu
                                         (SimpleNamespace(busy_s=1, start_s=0), None)])
 def test_starved_reads_leave_idle_priority_where_the_kernel_does_not_say(before, now) -> None:
     assert policy.starved_reads(before, now, 0.0) is policy.StarvedReads.BATCH
+    assert policy.cpu_split(before, now, 0.0) is None
+
+
+def test_the_cpu_split_leaves_the_reads_own_time_out() -> None:
+    before, now = SimpleNamespace(busy_s=10.0, start_s=5.0), SimpleNamespace(busy_s=12.0, start_s=5.75)
+    split = policy.cpu_split(before, now, 0.25)
+    assert split == policy.CpuSplit(start_s=0.75, other_s=1.0)
 
 
 @pytest.mark.parametrize(("reader_ahead", "remote", "expected"), [

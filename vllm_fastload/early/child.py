@@ -198,12 +198,9 @@ class _Starved:
             return
         now = machine.cpu_time(self._starter, leave_out=os.getpid())
         own = _own_cpu_s() - self._own
-        decision = policy.starved_reads(self._before, now, own)
-        spent = ""
-        if self._before is not None and now is not None:
-            start = now.start_s - self._before.start_s
-            spent = (f" (meanwhile the start's processes ran {start:.1f} CPU s, other work "
-                     f"{now.busy_s - self._before.busy_s - start - own:.1f})")
+        decision, split = policy.starved_reads(self._before, now, own), policy.cpu_split(self._before, now, own)
+        spent = "" if split is None else (f" (meanwhile the start's processes ran {split.start_s:.1f} CPU s, "
+                                          f"other work {split.other_s:.1f})")
         if decision is policy.StarvedReads.IDLE:
             _run_when_idle()
         _report("fastload: early reads: no idle CPU time for them (%.1f s waiting for a CPU in %.1f s); %s%s",
@@ -345,8 +342,7 @@ class _FileReader:
         _read_through(fd, offset, length, self._buffer)
 
 
-def _pieces(size: int, spans: Sequence[Sequence[int]] | None,
-            chunk: Callable[[], int] = lambda: policy.EARLY_READS_CHUNK) -> Iterator[tuple[int, int]]:
+def _pieces(size: int, spans: Sequence[Sequence[int]] | None, chunk: Callable[[], int]) -> Iterator[tuple[int, int]]:
     """``(offset, length)`` of the chunks to read of a file of ``size`` bytes: all of it, or each
     span widened to whole pages (``madvise`` takes page-aligned ranges; the kernel reads whole
     pages anyway) and clipped to the file, in chunks of at most ``chunk()`` bytes (asked for each)."""
