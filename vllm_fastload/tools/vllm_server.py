@@ -51,14 +51,18 @@ class VllmServer(EngineServer):
             self.stop()  # its log closed and what its workers left removed: the caller sees the error only
             raise
 
-    def complete(self, prompt_ids: list[int], max_tokens: int = 8, logprobs: int | None = None) -> dict:
+    def complete(self, prompt_ids: list[int], max_tokens: int = 8, logprobs: int | None = None, *,
+                 timeout: float = 600) -> dict:
+        """One greedy completion of ``prompt_ids``. The first request of a server may take minutes
+        on a CPU: at TP>1 vLLM compiles its vocabulary-parallel embedding's input mask with inductor
+        on the first forward, a C++ build that shares the CPUs with everything else running."""
         body = {"model": "model", "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0,
                 "return_token_ids": True}
         if logprobs is not None:
             body["logprobs"] = logprobs
         req = urllib.request.Request(self.url + "/v1/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=120) as resp:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
             return json.loads(resp.read())
 
     def stop(self) -> None:
