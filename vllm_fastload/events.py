@@ -15,11 +15,14 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
-from vllm_fastload.config import ConfigError, LayerCallback
+from vllm_fastload.errors import ConfigError
 from vllm_fastload.format import TensorInfo
 from vllm_fastload.layers import LayerKey, layer_key
+
+if TYPE_CHECKING:
+    from vllm_fastload.config import LayerCallback
 
 logger = logging.getLogger("vllm_fastload")
 

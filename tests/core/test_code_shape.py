@@ -4,7 +4,12 @@
 from __future__ import annotations
 
 import ast
+import importlib
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 import vllm_fastload
 
@@ -206,6 +211,30 @@ def test_nothing_below_the_model_imports_the_door() -> None:
                      [f"{path.relative_to(PACKAGE)}:{line} imports the package root"
                       for line, module, names in _imports(path) if module == "vllm_fastload" and not names]
     assert BELOW_MODEL and found == []
+
+
+@pytest.mark.parametrize("door", ["vllm_fastload", "vllm_fastload.model"])
+def test_each_door_hands_out_what_its_modules_define(door: str) -> None:
+    """Both doors import on first use: every name they list resolves, to the object its module
+    defines, and shows in ``dir()``."""
+    module = importlib.import_module(door)
+    tree = ast.parse(Path(module.__file__).read_text())
+    typed = {a.asname or a.name: (node.module, a.name) for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+             and node.module and node.module.startswith("vllm_fastload.") for a in node.names}
+    assert set(module.__all__) == set(typed) and set(module.__all__) <= set(dir(module))
+    for name in module.__all__:
+        home, defined = typed[name]
+        assert getattr(module, name) is getattr(importlib.import_module(home), defined), name
+
+
+def test_registering_with_sglang_imports_neither_the_configuration_nor_the_loading_code() -> None:
+    """SGLang runs ``register`` in every process it starts, whatever the load format: what it needs
+    of the core (``missing_targets``) comes without pydantic's models or the loader."""
+    code = ("import sys; from vllm_fastload.model import missing_targets; missing_targets({}); "
+            "print(sorted(m for m in sys.modules if m.startswith(('vllm_fastload.', 'pydantic', 'torch'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == str(["vllm_fastload.errors", "vllm_fastload.events", "vllm_fastload.format",
+                                      "vllm_fastload.frozen", "vllm_fastload.layers", "vllm_fastload.model"])
 
 
 def test_the_door_rule(tmp_path: Path) -> None:

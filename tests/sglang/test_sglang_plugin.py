@@ -62,6 +62,18 @@ def test_load_format_fastload_is_accepted_and_routed_to_fastloads_loader(sg_env,
                                        "FastloadModelLoader"]
 
 
+def test_registering_leaves_the_loader_unimported_until_a_load_needs_it(sg_env, tied):
+    """Every process SGLang starts runs ``register``, with any load format: fastload's configuration
+    and loading code are imported only where fastload is chosen."""
+    code = PRELUDE + (
+        "import sys; from sglang.srt.server_args import prepare_server_args; "
+        f"prepare_server_args(['--model-path', {str(tied)!r}, '--device', 'cpu']); "
+        "print(sorted(m for m in sys.modules if m.startswith(('vllm_fastload.config', 'vllm_fastload.model.'))))")
+    out = run_python(code, sg_env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[-2] == "[]"
+
+
 def test_sglang_plugins_without_fastload_leaves_sglang_as_it_was(sg_env, tied):
     code = PRELUDE + ("from sglang.srt.server_args import prepare_server_args; "
                       f"prepare_server_args(['--model-path', {str(tied)!r}, '--load-format', 'fastload'])")
